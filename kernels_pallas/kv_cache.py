@@ -1,0 +1,90 @@
+"""The paged KV pool: its layout, defined once, and the write of a step's new K/V into it.
+
+Layout (one array for K, one for V, all layers stacked):
+
+    k, v: [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+
+A page is the `block_size x head_dim` tile of one KV head in one layer, and it is contiguous
+in memory. A GPU decode kernel runs one program per (sequence, KV head) and streams whole
+pages: each page is a single contiguous read of block_size * head_dim elements (16 x 128 bf16
+= 4 KiB), and all query heads of the group share it. vLLM's [num_blocks, block_size, heads,
+head_dim] layout would make each head's slice of a page strided instead.
+
+Layers are stacked so the model can scan over layers with the pool in the scan carry: each
+layer writes into and gathers from the stacked array at its layer index, so no step slices
+(copies) a layer's pool.
+
+Block 0 is the null block: the block manager never hands it out, so padding entries of block
+tables may point at it. Padding tokens carry a negative slot and are dropped by the write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+NULL_BLOCK = 0
+PAD_SLOT = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+
+def kv_cache_shape(
+    num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int
+) -> tuple[int, int, int, int, int]:
+    return (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_kv_heads: int,
+    num_blocks: int,
+    block_size: int,
+    head_dim: int,
+    dtype: jnp.dtype = jnp.float32,
+) -> KVCache:
+    shape = kv_cache_shape(num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def kv_bytes_per_block(
+    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: jnp.dtype
+) -> int:
+    """Bytes of K plus V that one block id reserves across all layers."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def write_kv(
+    cache: KVCache,
+    layer: jax.Array | int,
+    k: jax.Array,  # [T, num_kv_heads, head_dim]
+    v: jax.Array,  # [T, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [T] int32: block_id * block_size + offset, or negative for padding
+) -> KVCache:
+    """Scatters the step's new K/V into `layer` of the pool; negative slots write nothing.
+
+    A slot of -1 would wrap to the last slot under JAX indexing, so negative slots are moved
+    out of range and dropped.
+    """
+    num_slots = cache.num_blocks * cache.block_size
+    slot = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    block, offset = slot // cache.block_size, slot % cache.block_size
+    # Advanced indices (block, offset) around the head slice put T first: updates are [T, H, D].
+    new_k = cache.k.at[layer, :, block, offset].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[layer, :, block, offset].set(v.astype(cache.v.dtype), mode="drop")
+    return KVCache(k=new_k, v=new_v)

@@ -1,0 +1,174 @@
+"""Static model configuration: a hashable dataclass, parsed from a Hugging Face config dict."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.errors import ModelLoadError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # Per layer: 0 for full attention, else the sliding window (keys at distance < window).
+    sliding_windows: tuple[int, ...] = ()
+    # Sorted (key, value) pairs of the rope scaling dict, hashable; () for plain RoPE.
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def num_params(self) -> int:
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
+    def inv_freq(self) -> np.ndarray:
+        """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** (exponents / self.head_dim))).astype(
+            np.float32
+        )
+        scaling = dict(self.rope_scaling)
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type == "default":
+            return inv_freq
+        if rope_type == "linear":
+            return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+        if rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, scaling)
+        raise AssertionError(f"unreachable: rope type {rope_type} passed validation")
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_settings(hf: dict) -> tuple[float, tuple[tuple[str, object], ...]]:
+    """(rope_theta, scaling) from either transformers v5 `rope_parameters` or v4 fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = dict(hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    scaling = {**legacy, **params}
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"RoPE scaling type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return float(theta), ()
+    return float(theta), tuple(sorted(scaling.items()))
+
+
+def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
+    window = hf.get("sliding_window") or 0
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    layer_types = hf.get("layer_types")
+    if window and hf.get("use_sliding_window") and layer_types:
+        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    return (0,) * num_layers
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Builds our config from a Hugging Face `config.json` dict; rejects what we cannot run."""
+    architectures = hf.get("architectures") or []
+    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {architectures or hf.get('model_type')!r} is not supported; "
+            f"pagedjax runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    try:
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+        theta, scaling = _rope_settings(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        config = ModelConfig(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(hf, architecture, num_layers),
+            rope_scaling=scaling,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config is missing the field {e.args[0]!r}") from e
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(
+            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+            f"{num_kv_heads}"
+        )
+    if hf.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=True is not supported")
+    return config

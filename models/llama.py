@@ -1,0 +1,161 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions.
+
+Params are a pytree of arrays with the layers stacked on a leading axis:
+
+    embed        [V, H]
+    layers:
+      attn_norm  [L, H]
+      wqkv       [L, H, Q + 2 KV]   q, k and v projections fused at load time
+      bqkv       [L, Q + 2 KV]      Qwen2 only
+      q_norm     [L, D]             Qwen3 only (per-head RMSNorm weights)
+      k_norm     [L, D]             Qwen3 only
+      wo         [L, Q, H]
+      mlp_norm   [L, H]
+      w_gate_up  [L, H, 2 I]        gate and up projections fused at load time
+      w_down     [L, I, H]
+    final_norm   [H]
+    lm_head      [H, V]             absent when the embeddings are tied
+
+with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
+(one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.kv_cache import KVCache, write_kv
+from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.reference import ragged_paged_attention
+from models.config import ModelConfig
+
+Params = dict
+AttentionFn = Callable[..., jax.Array]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[T, head_dim] cos and sin tables, in float32, for the half-split (rotate_half) layout."""
+    inv_freq = jnp.asarray(config.inv_freq())
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _attention_block(
+    config: ModelConfig,
+    layer_params: Params,
+    x: jax.Array,  # [T, H]
+    cos: jax.Array,
+    sin: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    sliding_window: jax.Array,
+    metadata: AttentionMetadata,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, KVCache]:
+    num_tokens = x.shape[0]
+    h = rms_norm(x, layer_params["attn_norm"], config.rms_norm_eps)
+    qkv = h @ layer_params["wqkv"]
+    if config.attention_bias:
+        qkv = qkv + layer_params["bqkv"]
+    q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
+    q = q.reshape(num_tokens, config.num_heads, config.head_dim)
+    k = k.reshape(num_tokens, config.num_kv_heads, config.head_dim)
+    v = v.reshape(num_tokens, config.num_kv_heads, config.head_dim)
+    if config.qk_norm:
+        q = rms_norm(q, layer_params["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, layer_params["k_norm"], config.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    cache = write_kv(cache, layer, k, v, metadata.slot_mapping)
+    out = attention_fn(
+        q,
+        cache,
+        layer,
+        metadata,
+        scale=config.attention_scale,
+        sliding_window=sliding_window if any(config.sliding_windows) else None,
+    )
+    return x + out.reshape(num_tokens, config.q_size) @ layer_params["wo"], cache
+
+
+def _mlp_block(config: ModelConfig, layer_params: Params, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
+    gate, up = jnp.split(h @ layer_params["w_gate_up"], 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ layer_params["w_down"]
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    token_ids: jax.Array,  # [T] int32
+    positions: jax.Array,  # [T] int32
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    attention_fn: AttentionFn = ragged_paged_attention,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder over a step's flat tokens; returns final-normed hidden states [T, H]
+    and the pool with this step's K/V written into it."""
+    x = params["embed"][token_ids]
+    cos, sin = rope_cos_sin(config, positions)
+
+    def layer_step(carry, per_layer):
+        x, cache = carry
+        layer_params, layer, window = per_layer
+        x, cache = _attention_block(
+            config, layer_params, x, cos, sin, cache, layer, window, metadata, attention_fn
+        )
+        return (_mlp_block(config, layer_params, x), cache), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(
+        layer_step, (x, kv_cache), (params["layers"], layer_ids, windows)
+    )
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), kv_cache
+
+
+def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled."""
+    if "lm_head" in params:
+        return (hidden @ params["lm_head"]).astype(jnp.float32)
+    return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)
+
+
+def forward_logits(
+    params: Params,
+    config: ModelConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    logits_indices: jax.Array,  # [R] int32 rows of the flat batch to compute logits for
+    attention_fn: AttentionFn = ragged_paged_attention,
+) -> tuple[jax.Array, KVCache]:
+    """forward, then logits [R, V] for the selected rows only (usually each sequence's last)."""
+    hidden, kv_cache = forward(
+        params, config, token_ids, positions, kv_cache, metadata, attention_fn
+    )
+    return compute_logits(params, hidden[logits_indices]), kv_cache
+
+
+forward_logits_jit = jax.jit(
+    forward_logits, static_argnames=("config", "attention_fn"), donate_argnames=("kv_cache",)
+)

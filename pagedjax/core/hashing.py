@@ -1,0 +1,120 @@
+"""Content keys for full KV blocks, the lookup keys of the prefix cache.
+
+A block's key is a chained sha256 over (parent block's key, the block's token ids, extra
+keys). Chaining makes the key depend on the whole prefix, so equal keys mean equal KV content
+(sha256 collisions are not a practical concern, so a hit is trusted without re-reading
+tokens). The byte encoding is fixed-width and explicit, never Python's `hash()` or `pickle`,
+so keys are stable across processes, machines and Python versions.
+
+Extra keys carry request inputs that change the KV content of the same tokens: a cache salt
+today, a LoRA adapter id later. To add one, add its attribute name to `EXTRA_KEY_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+BlockHash = bytes
+"""32-byte sha256 digest identifying a full block and everything before it."""
+
+ROOT_HASH: BlockHash = hashlib.sha256(b"pagedjax/kv-block-hash/v1").digest()
+"""Parent key of a request's first block (a fixed seed, so the first block chains too)."""
+
+EXTRA_KEY_FIELDS: tuple[str, ...] = ("cache_salt", "lora_id")
+"""Request attributes that, when present and not None, enter every block key."""
+
+_token_structs: dict[int, struct.Struct] = {}
+
+
+def _token_struct(num_tokens: int) -> struct.Struct:
+    packer = _token_structs.get(num_tokens)
+    if packer is None:
+        # Length prefix + little-endian int64 ids: fixed width, so the encoding is injective.
+        packer = _token_structs[num_tokens] = struct.Struct(f"<I{num_tokens}q")
+    return packer
+
+
+def encode_extra_keys(keys: Sequence[Any]) -> bytes:
+    """Canonical, self-delimiting bytes for extra keys (None, bool, int, str, bytes, tuples)."""
+    out = bytearray()
+    for key in keys:
+        _encode_key(key, out)
+    return bytes(out)
+
+
+def _encode_key(key: Any, out: bytearray) -> None:
+    if key is None:
+        out += b"N"
+    elif isinstance(key, bool):  # before int: bool is an int subclass
+        out += b"T" if key else b"F"
+    elif isinstance(key, int):
+        digits = str(key).encode()
+        out += b"i" + struct.pack("<I", len(digits)) + digits
+    elif isinstance(key, str):
+        data = key.encode("utf-8")
+        out += b"s" + struct.pack("<I", len(data)) + data
+    elif isinstance(key, (bytes, bytearray)):
+        out += b"b" + struct.pack("<I", len(key)) + bytes(key)
+    elif isinstance(key, (tuple, list)):
+        out += b"(" + struct.pack("<I", len(key))
+        for item in key:
+            _encode_key(item, out)
+    else:
+        raise TypeError(
+            f"extra cache key of type {type(key).__name__} has no stable encoding; "
+            "use None, bool, int, str, bytes or tuples of those"
+        )
+
+
+def request_extra_keys(request: Any) -> bytes:
+    """Encoded extra keys of a request: (field name, value) for each set `EXTRA_KEY_FIELDS`."""
+    keys = []
+    for name in EXTRA_KEY_FIELDS:
+        value = getattr(request, name, None)
+        if value is not None:
+            keys.append((name, value))
+    return encode_extra_keys(keys)
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """Key of one full block given its parent's key (None for the first block)."""
+    hasher = hashlib.sha256(ROOT_HASH if parent_hash is None else parent_hash)
+    hasher.update(_token_struct(len(token_ids)).pack(len(token_ids), *token_ids))
+    hasher.update(extra_keys)
+    return hasher.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: bytes = b"",
+    max_blocks: int | None = None,
+) -> None:
+    """Append keys for the full blocks of `token_ids` not yet in `block_hashes`.
+
+    Incremental: only blocks that filled since the last call are hashed, so a request pays
+    for each of its blocks once.
+    """
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    parent = block_hashes[-1] if block_hashes else None
+    for index in range(len(block_hashes), num_full):
+        start = index * block_size
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        block_hashes.append(parent)
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int], block_size: int, extra_keys: bytes = b""
+) -> list[BlockHash]:
+    """Keys of all full blocks of a token sequence (a convenience for tools and tests)."""
+    block_hashes: list[BlockHash] = []
+    extend_block_hashes(block_hashes, token_ids, block_size, extra_keys)
+    return block_hashes

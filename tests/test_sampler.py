@@ -1,0 +1,152 @@
+"""Sampler semantics against numpy, seeded reproducibility across batches, and param checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax.sampler import build_sampling_metadata, sample
+from pagedjax.sampling_params import SamplingParams
+
+V = 50
+
+
+def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0):
+    n = len(params)
+    meta = build_sampling_metadata(
+        params,
+        prompts or [[]] * n,
+        outputs or [[]] * n,
+        seeds if seeds is not None else list(range(n)),
+    )
+    out = sample(np.asarray(logits, np.float32), meta, num_logprobs=num_logprobs)
+    return out
+
+
+def random_logits(rows, seed=0):
+    return np.random.default_rng(seed).normal(0, 2, (rows, V)).astype(np.float32)
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    logits = random_logits(4)
+    out = run(logits, [SamplingParams(temperature=0, logprobs=5)] * 4, num_logprobs=5)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
+    shifted = logits - logits.max(-1, keepdims=True)
+    expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-expected)[:, :5], rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs), expected[np.arange(4), logits.argmax(-1)], rtol=1e-5
+    )
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
+    alone = [int(run(logits[i : i + 1], params[i : i + 1], seeds=[i]).token_ids[0]) for i in (1, 4)]
+    together = run(logits, params, seeds=list(range(6))).token_ids
+    reordered = run(logits[[4, 0, 1]], [params[i] for i in (4, 0, 1)], seeds=[4, 0, 1]).token_ids
+    assert alone == [int(together[1]), int(together[4])]
+    assert alone == [int(reordered[2]), int(reordered[0])]
+
+
+def test_draws_follow_the_distribution_and_seeds_differ():
+    logits = np.tile(random_logits(1, seed=3) / 2, (2000, 1))
+    params = [SamplingParams(temperature=1.0)] * 2000
+    tokens = np.asarray(run(logits, params, seeds=list(range(2000))).token_ids)
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    freq = np.bincount(tokens, minlength=V) / len(tokens)
+    assert np.abs(freq - probs).max() < 0.04
+    assert len(set(tokens.tolist())) > 5
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = random_logits(1, seed=5)
+    order = np.argsort(-logits[0])
+    n = 400
+    batch = np.tile(logits, (n, 1))
+    for kwargs, allowed in (
+        (dict(top_k=3), set(order[:3])),
+        (dict(top_p=1e-6), {order[0]}),
+        (dict(min_p=1.0), {order[0]}),
+    ):
+        params = [SamplingParams(temperature=5.0, **kwargs)] * n
+        tokens = set(np.asarray(run(batch, params, seeds=list(range(n))).token_ids).tolist())
+        assert tokens <= allowed and tokens, (kwargs, tokens)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)], np.float32))
+    n = 600
+    params = [SamplingParams(temperature=1.0, top_p=0.7)] * n
+    tokens = np.asarray(run(np.tile(logits, (n, 1)), params, seeds=list(range(n))).token_ids)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_penalties_match_vllm_formulas():
+    logits = random_logits(1, seed=7)
+    prompt, output = [1, 2, 3], [3, 4, 4, 5]
+    params = SamplingParams(
+        temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    expected = logits[0].copy()
+    for t in set(prompt + output):
+        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
+    for t in set(output):
+        expected[t] -= 0.5 * output.count(t) + 0.25
+    # Make the penalised argmax differ from the raw one, then check the choice.
+    for target in range(V):
+        shifted = logits.copy()
+        shifted[0, target] += 100
+        exp = expected.copy()
+        exp[target] = (
+            shifted[0, target] / 1.5 if target in prompt + output else shifted[0, target]
+        ) - (0.5 * output.count(target) + 0.25 if target in output else 0)
+        token = int(run(shifted, [params], [prompt], [output]).token_ids[0])
+        assert token == int(np.argmax(exp))
+
+
+def test_logit_bias_and_stop_masking():
+    logits = random_logits(1)
+    low = int(np.argmin(logits[0]))
+    out = run(logits, [SamplingParams(temperature=0, logit_bias={low: 1000.0})])
+    assert int(out.token_ids[0]) == low
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n=0), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logprobs=100), "logprobs"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        16,
+        0,
+    )
+    assert SamplingParams(stop="x").stop == ["x"]

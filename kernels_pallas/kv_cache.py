@@ -88,3 +88,15 @@ def write_kv(
     new_k = cache.k.at[layer, :, block, offset].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, block, offset].set(v.astype(cache.v.dtype), mode="drop")
     return KVCache(k=new_k, v=new_v)
+
+
+def copy_blocks(cache: KVCache, copies: jax.Array) -> KVCache:
+    """Copies whole blocks (all layers and heads) src -> dst, for copy-on-write.
+
+    copies: [C, 2] int32 (src, dst) pairs; padding pairs are (NULL_BLOCK, NULL_BLOCK).
+    """
+    src, dst = copies[:, 0], copies[:, 1]
+    return KVCache(
+        k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
+        v=cache.v.at[:, :, dst].set(cache.v[:, :, src]),
+    )

@@ -95,33 +95,43 @@ def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
     return jnp.argmax(probs / noise).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs", "use_penalties", "use_truncation"))
+@partial(jax.jit, static_argnames=("num_logprobs", "use_penalties", "use_truncation", "all_greedy"))
 def sample(
     logits: jax.Array,  # [S, V] f32
     meta: SamplingMetadata,
     num_logprobs: int = 0,
     use_penalties: bool = True,
     use_truncation: bool = True,
+    all_greedy: bool = False,
 ) -> SamplerOutput:
     """Samples one token per row. The static flags let an all-greedy, penalty-free batch skip
-    the [S, V] sort and scatters."""
+    the [S, V] sort, scatters and noise."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if use_penalties:
         logits = apply_penalties(logits, meta)
     logits = apply_logit_bias(logits, meta)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
+    if all_greedy:
+        tokens = greedy_tokens
+    else:
+        tokens = _draw_rows(logits, greedy_tokens, meta, use_truncation)
+
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _draw_rows(
+    logits: jax.Array, greedy_tokens: jax.Array, meta: SamplingMetadata, use_truncation: bool
+) -> jax.Array:
     greedy = meta.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
     if use_truncation:
         scaled = truncate(scaled, meta)
     probs = jax.nn.softmax(scaled, axis=-1)
     drawn = jax.vmap(_draw)(probs, meta.seeds, meta.steps)
-    tokens = jnp.where(greedy, greedy_tokens, drawn)
-
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return jnp.where(greedy, greedy_tokens, drawn)
 
 
 def build_sampling_metadata(

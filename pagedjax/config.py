@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2 model
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size (the null block included)
+    kv_cache_memory_bytes: int = 1 << 30  # pool budget when num_kv_blocks is not given
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 128  # running requests at once
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
+    attention_backend: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0  # seeds the draws of requests that give no seed
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(
+            self.block_size in SUPPORTED_BLOCK_SIZES,
+            f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}",
+        )
+        check(self.max_model_len >= 1, f"max_model_len must be positive: {self.max_model_len}")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be positive: {self.max_num_seqs}")
+        check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be positive: {self.max_num_batched_tokens}",
+        )
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+            f"{self.attention_backend!r}",
+        )
+        check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            f"num_kv_blocks must be at least 2 (one is the null block): {self.num_kv_blocks}",
+        )
+        check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")

@@ -1,0 +1,274 @@
+"""The model runner: turns a scheduled step into fixed-shape device arrays and runs it.
+
+Every jitted call sees one of a few shapes: tokens padded to a bucket T, sequences to
+S = min(T, max_num_seqs rounded up), block-table width to a power-of-two bucket B (the
+reference attention's cost scales with B, so it follows the longest context in the step, not
+max_model_len), sample rows to S, block copies to 0 or a power of two. Host buffers are
+preallocated numpy arrays filled in place; the KV pool is donated, so it is updated in place.
+Only sampled token ids (and requested logprobs) come back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT, allocate_kv_cache, copy_blocks
+from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.reference import ragged_paged_attention
+from models.config import ModelConfig
+from models.llama import AttentionFn, Params, forward_logits
+from pagedjax.sampler import (
+    SamplerOutput,
+    build_sampling_metadata,
+    needs_penalties,
+    needs_truncation,
+    sample,
+)
+from pagedjax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def power_of_two_at_least(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """1, 4, 16, 32, ... 512, then steps of 512, ending at the budget itself."""
+    buckets = [b for b in (1, 4, 16, 32, 64, 128, 256, 512) if b < max_num_batched_tokens]
+    step = 512
+    while buckets and buckets[-1] + step < max_num_batched_tokens and buckets[-1] >= step:
+        buckets.append(buckets[-1] + step)
+    return [*buckets, max_num_batched_tokens]
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: compute `token_ids` after its computed context."""
+
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+
+
+@dataclass
+class SampleRow:
+    """A token to sample from the logits of `seq_index`'s last new token."""
+
+    seq_index: int
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seed: int
+    extra_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    token_ids: np.ndarray  # [rows]
+    logprobs: np.ndarray | None  # [rows], raw logprob of each sampled token
+    top_token_ids: np.ndarray | None  # [rows, num_logprobs]
+    top_logprobs: np.ndarray | None  # [rows, num_logprobs]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Params,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        attention_fn: AttentionFn = ragged_paged_attention,
+        kv_dtype: jnp.dtype = jnp.float32,
+    ):
+        self.config, self.params, self.attention_fn = config, params, attention_fn
+        self.block_size = block_size
+        self.kv_cache = allocate_kv_cache(
+            config.num_layers,
+            config.num_kv_heads,
+            num_blocks,
+            block_size,
+            config.head_dim,
+            kv_dtype,
+        )
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.max_seqs_bucket = power_of_two_at_least(max_num_seqs)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.width_buckets = sorted(
+            {min(power_of_two_at_least(w), self.max_blocks_per_seq) for w in (16, 32, 64, 128)}
+            | {self.max_blocks_per_seq}
+        )
+        max_tokens, max_seqs = self.token_buckets[-1], self.max_seqs_bucket
+        self._tokens = np.zeros(max_tokens, np.int32)
+        self._positions = np.zeros(max_tokens, np.int32)
+        self._slots = np.full(max_tokens, PAD_SLOT, np.int32)
+        self._tables = np.full((max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
+        self._seq_lens = np.zeros(max_seqs, np.int32)
+        self._query_start = np.zeros(max_seqs + 1, np.int32)
+        self.num_compilations = 0
+        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv_cache",))
+
+    def _forward_impl(self, params, token_ids, positions, kv_cache, metadata, rows, copies):
+        self.num_compilations += 1  # Python side effect: runs once per trace, i.e. per compile
+        if copies.shape[0]:
+            kv_cache = copy_blocks(kv_cache, copies)
+        return forward_logits(
+            params, self.config, token_ids, positions, kv_cache, metadata, rows, self.attention_fn
+        )
+
+    def _bucket_tokens(self, num_tokens: int) -> int:
+        for bucket in self.token_buckets:
+            if num_tokens <= bucket:
+                return bucket
+        raise ValueError(f"{num_tokens} tokens exceed the step budget {self.token_buckets[-1]}")
+
+    def _bucket_width(self, num_blocks: int) -> int:
+        return next(w for w in self.width_buckets if num_blocks <= w)
+
+    def prepare(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        num_rows: int,
+        block_copies: Sequence[tuple[int, int]],
+    ) -> tuple:
+        """Fills the host buffers for a step; returns the forward's array arguments."""
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        t_pad = self._bucket_tokens(num_tokens)
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        if len(seqs) > s_pad:
+            raise ValueError(f"{len(seqs)} sequences exceed max_num_seqs {self.max_seqs_bucket}")
+        width = self._bucket_width(max(len(s.block_ids) for s in seqs))
+        bs = self.block_size
+        tokens, positions, slots = (
+            self._tokens[:t_pad],
+            self._positions[:t_pad],
+            self._slots[:t_pad],
+        )
+        tables, seq_lens = self._tables[:s_pad, :width], self._seq_lens[:s_pad]
+        query_start = self._query_start[: s_pad + 1]
+        slots[num_tokens:] = PAD_SLOT
+        tokens[num_tokens:] = 0
+        positions[num_tokens:] = 0
+        tables.fill(NULL_BLOCK)
+        seq_lens.fill(0)
+        query_start.fill(num_tokens)
+        query_start[0] = 0
+        start = 0
+        for i, seq in enumerate(seqs):
+            q_len = len(seq.token_ids)
+            end = start + q_len
+            pos = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + q_len)
+            block_ids = np.asarray(seq.block_ids, np.int32)
+            tokens[start:end] = seq.token_ids
+            positions[start:end] = pos
+            slots[start:end] = block_ids[pos // bs] * bs + pos % bs
+            tables[i, : len(block_ids)] = block_ids
+            seq_lens[i] = seq.num_computed_tokens + q_len
+            query_start[i + 1] = end
+            start = end
+        copies = np.full(
+            (power_of_two_at_least(len(block_copies)) if block_copies else 0, 2),
+            NULL_BLOCK,
+            np.int32,
+        )
+        if block_copies:
+            copies[: len(block_copies)] = block_copies
+        metadata = AttentionMetadata(
+            slot_mapping=slots.copy(),
+            block_tables=tables.copy(),
+            seq_lens=seq_lens.copy(),
+            query_start_loc=query_start.copy(),
+            num_seqs=np.int32(len(seqs)),
+            num_tokens=np.int32(num_tokens),
+        )
+        r_pad = max(s_pad, power_of_two_at_least(num_rows))
+        return tokens.copy(), positions.copy(), metadata, r_pad, copies
+
+    def execute(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        rows: Sequence[SampleRow],
+        block_copies: Sequence[tuple[int, int]] = (),
+    ) -> StepResult:
+        """Runs one step: copy-on-write copies, the forward, and a sample for each row."""
+        tokens, positions, metadata, r_pad, copies = self.prepare(seqs, len(rows), block_copies)
+        last_token_row = np.cumsum([len(s.token_ids) for s in seqs]) - 1
+        logits_rows = np.zeros(r_pad, np.int32)
+        logits_rows[: len(rows)] = [last_token_row[r.seq_index] for r in rows]
+        logits, self.kv_cache = self._forward(
+            self.params, tokens, positions, self.kv_cache, metadata, logits_rows, copies
+        )
+        if not rows:
+            return StepResult(np.zeros(0, np.int32), None, None, None)
+        params = [r.params for r in rows]
+        meta = build_sampling_metadata(
+            params,
+            [r.prompt_token_ids for r in rows],
+            [r.output_token_ids for r in rows],
+            [r.seed for r in rows],
+            num_rows=r_pad,
+            extra_bias=[r.extra_bias for r in rows],
+        )
+        num_logprobs = max((p.logprobs or 0 for p in params), default=0)
+        out: SamplerOutput = sample(
+            logits,
+            meta,
+            num_logprobs=num_logprobs,
+            use_penalties=needs_penalties(params),
+            use_truncation=needs_truncation(params),
+            all_greedy=all(p.greedy for p in params),
+        )
+        n = len(rows)
+        token_ids = np.asarray(out.token_ids)[:n]
+        if not any(p.logprobs is not None for p in params):
+            return StepResult(token_ids, None, None, None)
+        return StepResult(
+            token_ids,
+            np.asarray(out.logprobs)[:n],
+            np.asarray(out.top_token_ids)[:n],
+            np.asarray(out.top_logprobs)[:n],
+        )
+
+    def warmup(self) -> float:
+        """Compiles the forward for every token and width bucket, and the greedy sampler for
+        every row bucket; returns the seconds spent."""
+        start = time.perf_counter()
+        for t_pad in self.token_buckets:
+            s_pad = min(t_pad, self.max_seqs_bucket)
+            for width in self.width_buckets:
+                metadata = AttentionMetadata(  # all padding: writes nothing, reads masked
+                    slot_mapping=np.full(t_pad, PAD_SLOT, np.int32),
+                    block_tables=np.full((s_pad, width), NULL_BLOCK, np.int32),
+                    seq_lens=np.zeros(s_pad, np.int32),
+                    query_start_loc=np.zeros(s_pad + 1, np.int32),
+                    num_seqs=np.int32(0),
+                    num_tokens=np.int32(0),
+                )
+                zeros = np.zeros(t_pad, np.int32)
+                logits, self.kv_cache = self._forward(
+                    self.params,
+                    zeros,
+                    zeros,
+                    self.kv_cache,
+                    metadata,
+                    np.zeros(s_pad, np.int32),
+                    np.zeros((0, 2), np.int32),
+                )
+            greedy = SamplingParams(temperature=0.0)
+            meta = build_sampling_metadata([greedy], [[]], [[]], [0], num_rows=s_pad)
+            sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
+        jax.block_until_ready(self.kv_cache)
+        elapsed = time.perf_counter() - start
+        logger.info("warmup: %d compilations in %.1f s", self.num_compilations, elapsed)
+        return elapsed

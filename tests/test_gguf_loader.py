@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -55,6 +58,7 @@ def write_tiny_gguf(
     extra_meta: dict | None = None,
     extra_tensors: dict | None = None,
     seed: int = 0,
+    add_tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Writes a random 2-layer model as llama.cpp would; returns the HF tensors to expect."""
     rng = np.random.default_rng(seed)
@@ -83,6 +87,8 @@ def write_tiny_gguf(
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
+    if add_tokenizer is not None:
+        add_tokenizer(writer)
 
     h, i, v = t["hidden"], t["inter"], t["vocab"]
     expected: dict[str, np.ndarray] = {}
@@ -250,7 +256,6 @@ def test_dequantize_matches_gguf(qtype: Q) -> None:
     assert bits_equal(dequantize(raw, qtype, x.shape), ref)
 
 
-@pytest.mark.slow  # ~7-14 s, see gguf_tokenizer's docstring
 def test_gguf_tokenizer(default_path: Path) -> None:
     start = time.perf_counter()
     tok = gguf_tokenizer(default_path)
@@ -262,6 +267,156 @@ def test_gguf_tokenizer(default_path: Path) -> None:
     assert "<|im_start|>assistant" in tok.apply_chat_template(
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
+
+
+def test_gguf_tokenizer_time_in_fresh_process(default_path: Path) -> None:
+    # A fresh interpreter, as `pagedjax generate` starts: the transformers import counts too.
+    code = (
+        "import time; t = time.perf_counter(); "
+        "from models.gguf_loader import gguf_tokenizer; "
+        f"gguf_tokenizer({str(default_path)!r}); print(time.perf_counter() - t)"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
+    )
+    seconds = float(out.stdout.split()[-1])
+    print(f"\ngguf_tokenizer in a fresh process: {seconds:.2f} s")
+    assert seconds < 6  # transformers' own path takes 6-16 s; ours ~1.5 s (slack for CI noise)
+
+
+# ----------------------------------------------------------------------------- tokenizer parity
+
+CHAT = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4, of course."},
+    {"role": "user", "content": "And in base 3? Explain <|im_end|> briefly."},
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXTS = [
+    "",
+    "Hello, world!",
+    "the quick brown fox jumps over the lazy dog",
+    "  leading, trailing   and\tmixed \n\n whitespace runs      ",
+    "Ünïcödé: naïve café, 東京, Привет, مرحبا, ½ ≠ ∞",
+    "emoji 🙂🚀👩‍👩‍👧 and a flag 🇫🇷",
+    "def f(x):\n    return {'a': x ** 2}  # code\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "inline <|im_start|>special<|im_end|> tokens, <think>added</think> too",
+    "digits 1234567890 and 3.14159e-10",
+]
+
+
+def assert_same_tokenizer(ours, theirs) -> None:
+    """Our tokenizer and transformers' agree on everything a caller can observe."""
+    assert type(ours) is type(theirs)
+    # The strongest check: the `tokenizers` backends serialise to the same JSON.
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert len(ours) == len(theirs)
+    assert ours.all_special_ids == theirs.all_special_ids
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    for name in ("bos", "eos", "pad", "unk"):
+        assert getattr(ours, f"{name}_token") == getattr(theirs, f"{name}_token"), name
+        assert getattr(ours, f"{name}_token_id") == getattr(theirs, f"{name}_token_id"), name
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+            text, add_special_tokens=False
+        )
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = rng.integers(0, len(theirs), size=rng.integers(1, 30)).tolist()
+        ids[0] = int(rng.choice(theirs.all_special_ids))  # at least one special token
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip
+            ), ids
+    assert ours.chat_template == theirs.chat_template
+    if theirs.chat_template is not None:
+        for conversation in (CHAT[:2], CHAT):
+            kwargs = dict(add_generation_prompt=True, tokenize=False)
+            assert ours.apply_chat_template(conversation, **kwargs) == (
+                theirs.apply_chat_template(conversation, **kwargs)
+            )
+
+
+def auto_tokenizer(path: Path):
+    """transformers' own tokenizer for a GGUF file: the reference."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def transformers_tokenizer(default_path: Path):
+    start = time.perf_counter()
+    tok = auto_tokenizer(default_path)
+    print(f"\ntransformers AutoTokenizer (gguf_file): {time.perf_counter() - start:.1f} s")
+    return tok
+
+
+@pytest.mark.slow  # transformers' path: 6-16 s
+def test_tokenizer_matches_transformers(default_path: Path, transformers_tokenizer) -> None:
+    assert_same_tokenizer(gguf_tokenizer(default_path), transformers_tokenizer)
+
+
+def add_byte_level_tokenizer(writer: gguf.GGUFWriter, pre: str) -> None:
+    """A tiny GPT-2 style vocabulary: control tokens at 0-4, the 256 bytes, a few merges."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    special = ["<|endoftext|>", "<pad>", "<extra>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ w", "Ġw or", "o r"]
+    merged = list(dict.fromkeys(m.replace(" ", "") for m in merges))
+    tokens = [*special, *bytes_to_unicode().values(), *merged, "<think>", "</think>"]
+    token_types = [3] * len(special) + [1] * (len(tokens) - len(special) - 2) + [4, 4]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_pad_token_id(1)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+
+def add_sentencepiece_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A tiny llama-style (sentencepiece BPE) vocabulary: scores, byte tokens, no merges."""
+    special = ["<unk>", "<pad>", "<mask>", "<s>", "</s>"]
+    pieces = ["▁", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁w", "or", "▁wor", "ld"]
+    pieces += list("abcdefghijklmnopqrstuvwxyz")
+    tokens = [*special, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    token_types = [2, 3, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (len(special) + 256) + [-float(i) for i in range(len(pieces))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_scores(scores)
+    writer.add_unk_token_id(0)
+
+
+@pytest.mark.parametrize(
+    "arch, add_tokenizer",
+    [
+        ("qwen2", lambda w: add_byte_level_tokenizer(w, "qwen2")),  # AutoTokenizer: Qwen2Tokenizer
+        ("qwen3", lambda w: add_byte_level_tokenizer(w, "qwen2")),
+        ("llama", lambda w: add_byte_level_tokenizer(w, "smollm")),  # TokenizersBackend
+        ("llama", add_sentencepiece_tokenizer),  # LlamaTokenizer-built, add_bos default
+    ],
+    ids=["qwen2-bpe", "qwen3-bpe", "llama-bpe", "llama-spm"],
+)
+def test_tiny_tokenizer_matches_transformers(tmp_path: Path, arch: str, add_tokenizer) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, arch, add_tokenizer=add_tokenizer)
+    assert_same_tokenizer(gguf_tokenizer(path), auto_tokenizer(path))
+
+
+def test_tokenizer_corrupt_header(default_path: Path, tmp_path: Path) -> None:
+    path = _truncated_copy(default_path, tmp_path / "cut.gguf", 200_000)
+    with pytest.raises(ModelLoadError, match="cut short"):
+        gguf_tokenizer(path)
 
 
 # ----------------------------------------------------------------------------- vs transformers

@@ -62,13 +62,6 @@ def allocate_kv_cache(
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def kv_bytes_per_block(
-    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: jnp.dtype
-) -> int:
-    """Bytes of K plus V that one block id reserves across all layers."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
-
-
 def write_kv(
     cache: KVCache,
     layer: jax.Array | int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.kv_cache import PAD_SLOT, allocate_kv_cache, kv_bytes_per_block, write_kv
+from kernels_pallas.kv_cache import PAD_SLOT, allocate_kv_cache, write_kv
 
 
 def test_write_lands_in_slots_and_padding_writes_nothing():
@@ -20,6 +20,3 @@ def test_write_lands_in_slots_and_padding_writes_nothing():
     np.testing.assert_array_equal(np.asarray(cache.k), expected_k)
     np.testing.assert_array_equal(np.asarray(cache.v), -expected_k)
 
-
-def test_bytes_per_block():
-    assert kv_bytes_per_block(30, 3, 16, 64, jnp.bfloat16) == 2 * 30 * 3 * 16 * 64 * 2

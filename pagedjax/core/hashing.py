@@ -83,10 +83,9 @@ def hash_block_tokens(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
 ) -> BlockHash:
     """Key of one full block given its parent's key (None for the first block)."""
-    hasher = hashlib.sha256(ROOT_HASH if parent_hash is None else parent_hash)
-    hasher.update(_token_struct(len(token_ids)).pack(len(token_ids), *token_ids))
-    hasher.update(extra_keys)
-    return hasher.digest()
+    parent = ROOT_HASH if parent_hash is None else parent_hash
+    packed = _token_struct(len(token_ids)).pack(len(token_ids), *token_ids)
+    return hashlib.sha256(parent + packed + extra_keys).digest()
 
 
 def extend_block_hashes(
@@ -99,16 +98,24 @@ def extend_block_hashes(
     """Append keys for the full blocks of `token_ids` not yet in `block_hashes`.
 
     Incremental: only blocks that filled since the last call are hashed, so a request pays
-    for each of its blocks once.
+    for each of its blocks once. Same keys as chaining `hash_block_tokens`, inlined because
+    admission hashes whole prompts.
     """
     num_full = len(token_ids) // block_size
-    if max_blocks is not None:
-        num_full = min(num_full, max_blocks)
-    parent = block_hashes[-1] if block_hashes else None
-    for index in range(len(block_hashes), num_full):
-        start = index * block_size
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
-        block_hashes.append(parent)
+    if max_blocks is not None and max_blocks < num_full:
+        num_full = max_blocks
+    first = len(block_hashes)
+    if first >= num_full:
+        return
+    parent = block_hashes[-1] if block_hashes else ROOT_HASH
+    pack = _token_struct(block_size).pack
+    sha256 = hashlib.sha256
+    append = block_hashes.append
+    for start in range(first * block_size, num_full * block_size, block_size):
+        parent = sha256(
+            parent + pack(block_size, *token_ids[start : start + block_size]) + extra_keys
+        ).digest()
+        append(parent)
 
 
 def hash_request_tokens(

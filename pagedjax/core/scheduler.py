@@ -1,0 +1,176 @@
+"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption.
+
+There are no prefill and decode phases. Each request has computed tokens (KV in the pool) and
+known tokens (prompt + sampled); a step gives running requests their next tokens first (one
+for decode, a chunk for a prompt still prefilling), then admits waiting requests in order
+while budget, sequence slots and blocks last. When blocks run out, the lowest-priority,
+latest-arrived running request is preempted by recompute: its blocks are freed (their cached
+hashes survive, so its re-prefill hits its own prefix cache) and it goes back to the front of
+the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.kv_cache_manager import KVCacheManager
+
+
+class RequestTooLongError(ValueError):
+    """The request can never be scheduled: it exceeds max_model_len or the whole KV pool."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)  # batch order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW, before the step
+    preempted: list[EngineRequest] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+    ):
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.waiting: list[EngineRequest] = []  # sorted by sort_key; preempted ones re-enter
+        self.running: list[EngineRequest] = []  # admission order
+        self.num_preemptions = 0
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestTooLongError when such a request could never run."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}: shorten the prompt, lower "
+                "max_tokens, or raise max_model_len"
+            )
+        blocks = -(-total // self.kv.block_size)
+        usable = self.kv.block_pool.num_usable_blocks
+        if blocks > usable:
+            raise RequestTooLongError(
+                f"{total} tokens need {blocks} KV blocks but the pool has {usable}: lower "
+                "max_tokens or give the engine more KV memory"
+            )
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+
+    def _enqueue(self, request: EngineRequest) -> None:
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, request.sort_key), request)
+
+    def add_running(self, request: EngineRequest) -> None:
+        """A fork (n > 1 child) that already shares its parent's computed blocks."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, request: EngineRequest, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.long_prefill_token_threshold and num_new > 1:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> EngineRequest:
+        return max(self.running, key=lambda r: r.sort_key)
+
+    def _preempt(self, victim: EngineRequest, out: SchedulerOutput) -> int:
+        """Frees the victim; returns the budget it had been given this step (refunded)."""
+        self.running.remove(victim)
+        refund = 0
+        for i, (req, num) in enumerate(out.scheduled):
+            if req is victim:
+                refund = num
+                del out.scheduled[i]
+                break
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self.waiting.insert(0, victim)  # front of the queue, whatever its sort key
+        return refund
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # Running requests first, in admission order.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request, budget)
+            if num_new <= 0:  # nothing to compute until it gets a sampled token
+                index += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < index:
+                    index -= 1
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+
+        # Then admissions, unless this step preempted (the pool is tight).
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + self.waiting[0].params.n <= self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = 0
+            remaining = request.num_tokens - num_hit_tokens
+            if self.long_prefill_token_threshold:
+                remaining = min(remaining, self.long_prefill_token_threshold)
+            num_new = min(remaining, budget)
+            if self.kv.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+        out.block_copies = self.kv.pop_block_copies()
+        return out
+
+    def finish(self, request: EngineRequest, status: RequestStatus) -> None:
+        """Removes a request wherever it is and frees its blocks, exactly once."""
+        if request.status.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.kv.has_request(request.request_id):
+            self.kv.free(request)
+        request.status = status

@@ -1,0 +1,389 @@
+"""LLMEngine: requests in, one scheduled and executed step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import Params
+from pagedjax.config import EngineConfig
+from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.memory import KVCacheSpec
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.model_runner import ModelRunner, SampleRow, ScheduledSequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and its n sequences (the first is the parent)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[EngineRequest] = field(default_factory=list)
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status.finished for s in self.seqs)
+
+
+def _attention_fn(backend: str):
+    from kernels_pallas.reference import ragged_paged_attention
+
+    if backend in ("auto", "reference"):
+        return ragged_paged_attention
+    raise NotImplementedError(
+        f"attention_backend {backend!r} is not available yet; use 'auto' or 'reference'"
+    )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        params: Params | None = None,
+        tokenizer=None,
+    ):
+        from models.loader import load_model, load_tokenizer
+
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        if model_config is None or params is None:
+            model_config, params = load_model(config.model, dtype)
+        self.model_config = model_config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+
+        spec = KVCacheSpec(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
+        )
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(
+            config.kv_cache_memory_bytes, config.block_size
+        )
+        self._check_capacity(num_blocks)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            kv_spec=spec,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
+        self.runner = ModelRunner(
+            model_config,
+            params,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            attention_fn=_attention_fn(config.attention_backend),
+            kv_dtype=dtype,
+        )
+        self.eos_token_ids = frozenset(
+            model_config.eos_token_ids
+            + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        )
+        self._groups: dict[str, _Group] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        config = self.config
+        usable = num_blocks - 1  # the null block
+        blocks_per_request = -(-config.max_model_len // config.block_size)
+        tokens = usable * config.block_size
+        logger.info(
+            "KV cache: %d blocks, %d tokens, max concurrency %.1f at max_model_len %d",
+            usable,
+            tokens,
+            tokens / config.max_model_len,
+            config.max_model_len,
+        )
+        if usable < blocks_per_request:
+            raise ValueError(
+                f"the KV pool holds {tokens} tokens ({usable} blocks of {config.block_size}), "
+                f"less than one request of max_model_len {config.max_model_len}: set "
+                f"max_model_len <= {tokens} or give more KV memory (num_kv_blocks or "
+                "kv_cache_memory_bytes)"
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates everything first; raises ValueError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use; pick a new one")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.max_model_len - len(prompt_ids)
+        self.scheduler.check_fits(len(prompt_ids), max(max_tokens, 1))
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        group = _Group(request_id, prompt_text, prompt_ids, params)
+        self._groups[request_id] = group
+        parent = self._new_sequence(group, 0, base_seed, max_tokens, stop_ids, priority)
+        if arrival_time is not None:
+            parent.arrival_time = arrival_time
+        self.scheduler.add_request(parent)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints, got {bad[:5]!r}")
+            vocab = self.model_config.vocab_size
+            out_of_range = [t for t in ids if not 0 <= t < vocab]
+            if out_of_range:
+                raise ValueError(
+                    f"prompt token ids {out_of_range[:5]} are outside the vocabulary [0, {vocab})"
+                )
+            ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return text, ids
+
+    def _new_sequence(
+        self,
+        group: _Group,
+        index: int,
+        base_seed: int,
+        max_tokens: int,
+        stop_ids: frozenset[int],
+        priority: int,
+    ) -> EngineRequest:
+        params = group.params
+        seq = EngineRequest(
+            group.request_id if index == 0 else f"{group.request_id}#{index}",
+            group.prompt_token_ids,
+            params,
+            max_tokens=max_tokens,
+            seed=base_seed + index,
+            priority=priority,
+            stop_token_ids=stop_ids,
+            parent_id=None if index == 0 else group.request_id,
+            sample_index=index,
+        )
+        group.seqs.append(seq)
+        group.detokenizers.append(
+            IncrementalDetokenizer(
+                self.tokenizer,
+                group.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        )
+        return seq
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Frees everything the requests hold; unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns an output for each request that progressed."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        seqs, rows, row_seqs, forks = [], [], [], []
+        for index, (seq, num_new) in enumerate(out.scheduled):
+            start = seq.num_computed_tokens
+            seqs.append(
+                ScheduledSequence(
+                    seq.all_token_ids[start : start + num_new], start, self.kv.get_block_ids(seq)
+                )
+            )
+            if start + num_new < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing to sample
+            targets = [seq]
+            group = self._groups[self._group_id(seq)]
+            if seq.sample_index == 0 and seq.num_output_tokens == 0 and len(group.seqs) == 1:
+                # n > 1: the children sample their first token from the parent's last logits,
+                # then share its blocks (copy-on-write), instead of n prefills.
+                for i in range(1, group.params.n):
+                    child = self._new_sequence(
+                        group, i, seq.seed, seq.max_tokens, seq.stop_token_ids, seq.priority
+                    )
+                    forks.append((seq, child))
+                    targets.append(child)
+            for target in targets:
+                rows.append(self._sample_row(index, target))
+                row_seqs.append(target)
+
+        result = self.runner.execute(seqs, rows, out.block_copies)
+        now = time.monotonic()
+        self.num_steps += 1
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+        for parent, child in forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+
+        touched: dict[str, _Group] = {}
+        for row, seq in enumerate(row_seqs):
+            self._append_token(seq, row, result, now)
+            group_id = self._group_id(seq)
+            touched[group_id] = self._groups[group_id]
+        outputs = [self._make_output(group) for group in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self._groups[output.request_id]
+        return outputs
+
+    @staticmethod
+    def _group_id(seq: EngineRequest) -> str:
+        return seq.parent_id if seq.parent_id is not None else seq.request_id
+
+    def _sample_row(self, seq_index: int, seq: EngineRequest) -> SampleRow:
+        params = seq.params
+        bias = {}
+        if seq.num_output_tokens < params.min_tokens:
+            bias = {t: -np.inf for t in seq.stop_token_ids | self.eos_token_ids}
+        return SampleRow(
+            seq_index,
+            params,
+            seq.all_token_ids[: seq.num_prompt_tokens],
+            seq.all_token_ids[seq.num_prompt_tokens :],
+            seq.seed,
+            bias,
+        )
+
+    def _append_token(self, seq: EngineRequest, row: int, result, now: float) -> None:
+        token = int(result.token_ids[row])
+        seq.append_token_ids(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if result.logprobs is not None and seq.params.logprobs is not None:
+            seq.cumulative_logprob += float(result.logprobs[row])
+            entry = {token: Logprob(float(result.logprobs[row]))}
+            for rank, (tid, lp) in enumerate(
+                zip(
+                    result.top_token_ids[row][: seq.params.logprobs],
+                    result.top_logprobs[row][: seq.params.logprobs],
+                    strict=True,
+                ),
+                start=1,
+            ):
+                entry.setdefault(int(tid), Logprob(float(lp)))
+                entry[int(tid)].rank = rank
+            seq.logprobs.append(entry)
+
+        group = self._groups[self._group_id(seq)]
+        detokenizer = group.detokenizers[seq.sample_index]
+        stop_string = detokenizer.update([token])
+        status = self._check_stop(seq, token, stop_string)
+        if status is not None:
+            if status is not RequestStatus.FINISHED_STOPPED or stop_string is None:
+                detokenizer.finalize()
+            seq.finish_time = now
+            self.scheduler.finish(seq, status)
+
+    def _check_stop(
+        self, seq: EngineRequest, token: int, stop_string: str | None
+    ) -> RequestStatus | None:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            if token in seq.stop_token_ids:
+                seq.stop_reason = (
+                    None
+                    if token in self.eos_token_ids and (token not in seq.params.stop_token_ids)
+                    else token
+                )
+                return RequestStatus.FINISHED_STOPPED
+            if stop_string is not None:
+                seq.stop_reason = stop_string
+                return RequestStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions, deltas = [], []
+        for seq, detokenizer in zip(group.seqs, group.detokenizers, strict=True):
+            want_logprobs = group.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.sample_index,
+                    text=detokenizer.output_text,
+                    token_ids=seq.all_token_ids[seq.num_prompt_tokens :],
+                    cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                    logprobs=seq.logprobs if want_logprobs else None,
+                    finish_reason=seq.status.value if seq.status.finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            deltas.append(detokenizer.get_delta())
+        parent = group.seqs[0]
+        finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            metrics=RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_token_time=parent.first_token_time,
+                finished_time=max(finish_times) if group.finished and finish_times else None,
+            ),
+            deltas=deltas,
+        )
+
+    # --------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        ledger = self.kv.memory_ledger()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": ledger.usage,
+            "prefix_cache_hit_rate": self.kv.prefix_cache_stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compilations": self.runner.num_compilations,
+            "num_generated_tokens": self.num_generated_tokens,
+        }

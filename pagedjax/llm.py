@@ -1,0 +1,127 @@
+"""LLM: the offline generate API, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+
+from pagedjax.config import EngineConfig
+from pagedjax.engine import LLMEngine
+from pagedjax.outputs import RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model=None, **engine_options)`: None means the default SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **engine_options):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(engine_options) - known
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def _add(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence | None
+    ) -> list[str]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one "
+                "per prompt"
+            )
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(self._counter)
+                self.llm_engine.add_request(request_id, prompt, p)
+                self._counter += 1
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)  # nothing half-added stays behind
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs the prompts to completion; outputs come back in input order."""
+        ids = self._add(prompts, sampling_params)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            generated = 0
+            while len(finished) < len(ids):
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    generated = self.llm_engine.num_generated_tokens
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s", refresh=False)
+        except BaseException:
+            # KeyboardInterrupt or an error: leave the engine clean for the next call.
+            self.llm_engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields each request's output whenever it has new tokens; `deltas` holds new text."""
+        ids = self._add(prompts, sampling_params)
+        pending = set(ids)
+        try:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            if pending:
+                self.llm_engine.abort_request(list(pending))
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

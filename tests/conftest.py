@@ -75,6 +75,26 @@ def build_tiny_hf_model(name: str, seed: int = 0):
     return model.eval()
 
 
+def build_tiny_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer over tokens "w0".."w{V-1}": text "w5 w9" <-> ids [5, 9].
+
+    Ids 1 and 2 are the special bos "<s>" and eos "</s>" tokens, as in the tiny configs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vocab["<s>"], vocab["</s>"] = 1, 2
+    del vocab["w1"], vocab["w2"]
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="w0"
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """name -> directory holding that tiny model saved with save_pretrained (safetensors)."""
@@ -85,6 +105,7 @@ def tiny_model_dir(tmp_path_factory):
             model = build_tiny_hf_model(name)
             path = tmp_path_factory.mktemp(name)
             model.save_pretrained(path, safe_serialization=True)
+            build_tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
             cache[name] = (path, model)
         return cache[name]
 

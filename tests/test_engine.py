@@ -1,0 +1,261 @@
+"""The engine end to end on tiny random models: exactness against transformers, invariance of
+greedy outputs to scheduling and memory decisions, sampling, n > 1, stops, aborts, compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.loader import load_model
+from pagedjax.config import EngineConfig
+from pagedjax.engine import LLMEngine
+from pagedjax.sampling_params import SamplingParams
+from tests.conftest import build_tiny_tokenizer
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """name -> (path, hf_model, model_config, params), loaded once."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            path, hf_model = tiny_model_dir(name)
+            config, params = load_model(path)
+            loaded[name] = (path, hf_model, config, params)
+        return loaded[name]
+
+    return get
+
+
+def make_engine(tiny, name="llama", **options) -> LLMEngine:
+    path, _, config, params = tiny(name)
+    settings = dict(max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=64)
+    settings.update(options)
+    return LLMEngine(
+        EngineConfig(model=str(path), **settings), config, params, build_tiny_tokenizer()
+    )
+
+
+def run(engine: LLMEngine, prompts, params) -> list:
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window"])
+def test_greedy_matches_transformers(tiny, name):
+    prompts = make_prompts(6, seed=1)
+    outputs = run(make_engine(tiny, name), prompts, SamplingParams(max_tokens=10, **GREEDY))
+    hf_model = tiny(name)[1]
+    for prompt, tokens in zip(prompts, tokens_of(outputs), strict=True):
+        assert tokens == hf_greedy(hf_model, prompt, 10)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny):
+    prompts = make_prompts(8, seed=2)
+    return prompts, tokens_of(
+        run(make_engine(tiny), prompts, SamplingParams(max_tokens=12, **GREEDY))
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_greedy_invariant_to_block_size(tiny, reference_run, block_size):
+    prompts, expected = reference_run
+    engine = make_engine(tiny, block_size=block_size, num_kv_blocks=1 + 64 * 8 // block_size)
+    assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+
+
+def test_greedy_invariant_to_chunked_prefill(tiny, reference_run):
+    prompts, expected = reference_run
+    engine = make_engine(tiny, max_num_batched_tokens=8)
+    assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+    assert engine.num_steps > len(prompts) * 12 // 8  # prompts of up to 40 tokens were chunked
+
+
+def test_greedy_invariant_to_long_prefill_threshold(tiny, reference_run):
+    prompts, expected = reference_run
+    engine = make_engine(tiny, long_prefill_token_threshold=5)
+    assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+
+
+def test_greedy_invariant_to_preemption(tiny, reference_run):
+    prompts, expected = reference_run
+    engine = make_engine(tiny, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.num_free_blocks == 13
+
+
+def test_greedy_invariant_to_max_num_seqs(tiny, reference_run):
+    prompts, expected = reference_run
+    engine = make_engine(tiny, max_num_seqs=1)
+    assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+
+
+def test_greedy_invariant_to_prefix_caching(tiny):
+    shared = make_prompts(1, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + tail for tail in make_prompts(6, seed=4, lo=2, hi=9)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    without = make_engine(tiny, enable_prefix_caching=False, block_size=8, num_kv_blocks=128)
+    expected = tokens_of(run(without, prompts, params))
+    with_cache = make_engine(tiny, enable_prefix_caching=True, block_size=8, num_kv_blocks=128)
+    # Admit one first so its prefix is cached, then the rest.
+    first = tokens_of(run(with_cache, prompts[:1], params))
+    rest = tokens_of(run(with_cache, prompts[1:], params))
+    assert first + rest == expected
+    assert with_cache.kv.prefix_cache_stats.hits >= 5 * 40 // 8 * 8
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny):
+    prompts = make_prompts(5, seed=5)
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=10) for i in range(5)]
+    together = tokens_of(run(make_engine(tiny), prompts, params))
+    alone = tokens_of(run(make_engine(tiny), prompts[2:3], params[2:3]))
+    assert alone[0] == together[2]
+    other_seed = SamplingParams(temperature=1.0, seed=7, max_tokens=10)
+    assert tokens_of(run(make_engine(tiny), prompts[2:3], [other_seed]))[0] != together[2]
+
+
+def test_parallel_sampling_shares_prompt_blocks(tiny):
+    engine = make_engine(tiny, block_size=8, num_kv_blocks=64)
+    prompt = make_prompts(1, seed=6, lo=36, hi=37)[0]  # 4 full blocks + a partial one
+    engine.add_request("p", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6))
+    engine.step()  # prefill + the first token of all four samples
+    used = engine.kv.block_pool.num_used_blocks
+    assert used == 5  # the prompt's 5 blocks, shared by 4 sequences, not 20
+    engine.step()  # each sample writes into the shared partial block: copy-on-write
+    assert engine.kv.block_pool.num_used_blocks == 5 + 3
+    outputs = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs = out
+    assert len(outputs.outputs) == 4 and all(len(c.token_ids) == 6 for c in outputs.outputs)
+    assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_abort_mid_flight_frees_every_block(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=8)
+    prompts = make_prompts(4, seed=7, lo=20, hi=30)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, **GREEDY))
+    for _ in range(3):
+        engine.step()  # some mid-prefill, some waiting
+    engine.abort_request(["0", "1", "2", "3"])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_stops_and_lengths(tiny):
+    engine = make_engine(tiny)
+    prompt = make_prompts(1, seed=8)[0]
+    free_run = tokens_of(run(engine, [prompt], SamplingParams(max_tokens=12, **GREEDY)))[0]
+    target = free_run[5]
+    first = free_run.index(target)
+
+    out = run(engine, [prompt], SamplingParams(max_tokens=12, stop_token_ids=[target], **GREEDY))
+    completion = out[0].outputs[0]
+    assert completion.token_ids == free_run[: first + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", target)
+
+    stop_text = f"w{target}"
+    out = run(engine, [prompt], SamplingParams(max_tokens=12, stop=[stop_text], **GREEDY))
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_text
+    assert stop_text not in out[0].outputs[0].text.split()
+
+    out = run(engine, [prompt], SamplingParams(max_tokens=4, **GREEDY))
+    assert out[0].outputs[0].token_ids == free_run[:4]
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_eos_min_tokens_and_ignore_eos(tiny):
+    engine = make_engine(tiny)
+    prompt = make_prompts(1, seed=9)[0]
+    eos = 2
+    bias = {eos: 100.0}  # makes eos the greedy choice at every step
+    out = run(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, logit_bias=bias))
+    assert out[0].outputs[0].token_ids == [eos]
+    assert (out[0].outputs[0].finish_reason, out[0].outputs[0].stop_reason) == ("stop", None)
+    out = run(
+        engine, [prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias=bias)
+    )
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].token_ids[-1] == eos
+    out = run(
+        engine,
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias=bias),
+    )
+    assert out[0].outputs[0].token_ids == [eos] * 5
+
+
+def test_steady_workload_compiles_nothing_after_warmup(tiny):
+    engine = make_engine(tiny, max_num_seqs=8)
+    engine.runner.warmup()
+    compiled = engine.runner.num_compilations
+    run(engine, make_prompts(12, seed=10), SamplingParams(max_tokens=9, **GREEDY))
+    assert engine.runner.num_compilations == compiled
+
+
+def test_logprobs(tiny):
+    engine = make_engine(tiny)
+    out = run(engine, make_prompts(1, seed=11), SamplingParams(max_tokens=3, logprobs=2, **GREEDY))
+    completion = out[0].outputs[0]
+    assert len(completion.logprobs) == 3
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entry[token].rank == 1  # greedy: the sampled token is the most likely one
+        assert len(entry) == 2
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("ok", make_prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [5] * 120, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("vocab", [5, 1000], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", [5], SamplingParams())
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == ["ok"]
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_pool_too_small_for_max_model_len_fails_at_startup(tiny):
+    with pytest.raises(ValueError, match="max_model_len <= 64"):
+        make_engine(tiny, num_kv_blocks=5, block_size=16, max_model_len=128)

@@ -109,7 +109,9 @@ def test_greedy_invariant_to_long_prefill_threshold(tiny, reference_run):
 
 def test_greedy_invariant_to_preemption(tiny, reference_run):
     prompts, expected = reference_run
-    engine = make_engine(tiny, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    engine = make_engine(
+        tiny, num_kv_blocks=14, block_size=8, max_model_len=64, enable_prefix_caching=False
+    )
     assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.num_free_blocks == 13

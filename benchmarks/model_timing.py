@@ -1,7 +1,7 @@
-"""Load time, first-step compile time and batch-1 decode latency of the default model, with
-transformers running the same greedy decode in the same process for the ratio.
+"""Load time, first-step compile time and batch-1 decode latency of the default model on the
+engine, with transformers running the same greedy decode in the same process for the ratio.
 
-    python benchmarks/model_timing.py [--tokens 64] [--skip-peer]
+    python benchmarks/model_timing.py [--tokens 64] [--repeats 3] [--skip-peer]
 """
 
 from __future__ import annotations
@@ -19,47 +19,65 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 RESULTS = Path(__file__).parent / "results"
 
 
+def engine_decode(engine, prompt_ids: list[int], tokens: int) -> list[float]:
+    """Seconds of each engine step for one request: the prefill step, then decode steps."""
+    from pagedjax.sampling_params import SamplingParams
+
+    request_id = str(time.monotonic())
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(request_id, prompt_ids, params)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
     args = parser.parse_args()
 
     start = time.perf_counter()
     from models.loader import load_model, load_tokenizer, resolve_model_path
-    from pagedjax.greedy_loop import GreedyLoop
+    from pagedjax.config import EngineConfig
+    from pagedjax.engine import LLMEngine
 
     imported = time.perf_counter()
     config, params = load_model(None)
     loaded = time.perf_counter()
     tokenizer = load_tokenizer(None)
     tokenizer_loaded = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(max_model_len=1024, num_kv_blocks=256), config, params, tokenizer
+    )
 
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
     )
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    loop = GreedyLoop(config, params, max_model_len=1024)
-    tokens = list(loop.generate(prompt_ids, args.tokens))
-    # Steps 0 and 1 compile (prefill bucket, decode); later ones may compile once more when the
-    # block-table width bucket doubles, so take the median.
-    decode = loop.step_times[2:]
+    first = engine_decode(engine, prompt_ids, args.tokens)  # compiles prefill and decode shapes
+    decode = [
+        t for _ in range(args.repeats) for t in engine_decode(engine, prompt_ids, args.tokens)[1:]
+    ]
     result = {
         "import_s": imported - start,
         "load_model_s": loaded - imported,
         "load_tokenizer_s": tokenizer_loaded - loaded,
-        "first_step_s": loop.step_times[0],
-        "first_decode_step_s": loop.step_times[1],
+        "first_step_s (prefill, compiles)": first[0],
+        "first_decode_step_s (compiles)": first[1],
+        "compilations": engine.runner.num_compilations,
         "decode_ms_per_token_median": 1000 * statistics.median(decode),
         "prompt_tokens": len(prompt_ids),
-        "generated_tokens": len(tokens),
     }
 
     if not args.skip_peer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(os.cpu_count() or 1)
         path = resolve_model_path(None).path
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(
@@ -68,7 +86,7 @@ def main() -> None:
         result["peer_load_s"] = time.perf_counter() - t0
         ids = torch.tensor([prompt_ids])
         per_token = []
-        for _ in range(3):
+        for _ in range(args.repeats):
             with torch.no_grad():
                 t0 = time.perf_counter()
                 hf.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2)
@@ -90,11 +108,8 @@ def main() -> None:
 
     width = max(len(k) for k in result)
     for key, value in result.items():
-        print(
-            f"{key:<{width}}  {value:.3f}"
-            if isinstance(value, float)
-            else f"{key:<{width}}  {value}"
-        )
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"{key:<{width}}  {shown}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "model_timing.json").write_text(json.dumps(result, indent=2) + "\n")
 

@@ -1,4 +1,4 @@
-"""Command line: `pagedjax generate PROMPT...`."""
+"""Command line: `pagedjax generate PROMPT...` and `pagedjax chat`."""
 
 from __future__ import annotations
 
@@ -7,57 +7,105 @@ import sys
 import time
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from models.loader import load_model, load_tokenizer
-    from pagedjax.greedy_loop import GreedyLoop
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
 
-    start = time.perf_counter()
-    config, params = load_model(args.model)
-    tokenizer = load_tokenizer(args.model)
-    loaded = time.perf_counter()
-    loop = GreedyLoop(config, params, max_model_len=args.max_model_len)
-    stop_ids = tuple(config.eos_token_ids) + (
-        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+
+def _make_llm(args: argparse.Namespace):
+    from pagedjax.llm import LLM
+
+    return LLM(args.model, max_model_len=args.max_model_len)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedjax.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
     )
-    for prompt in args.prompts:
-        if args.no_chat_template or not tokenizer.chat_template:
-            text = prompt
-        else:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-        prompt_ids = tokenizer.encode(text, add_special_tokens=args.no_chat_template)
-        tokens = []
-        for token in loop.generate(prompt_ids, args.max_tokens, stop_ids):
-            tokens.append(token)
-            if args.stream:
-                print(tokenizer.decode([token], skip_special_tokens=True), end="", flush=True)
-        if args.stream:
+
+
+def _chat_prompt(llm, messages: list[dict]) -> list[int]:
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    llm = _make_llm(args)
+    loaded = time.perf_counter()
+    params = _sampling_params(args)
+    if args.no_chat_template or not llm.get_tokenizer().chat_template:
+        prompts = list(args.prompts)
+    else:
+        prompts = [_chat_prompt(llm, [{"role": "user", "content": p}]) for p in args.prompts]
+    if args.stream:
+        for output in llm.stream(prompts, params):
+            if len(prompts) == 1:
+                print(output.deltas[0], end="", flush=True)
+            elif output.finished:
+                print(f"[{output.request_id}] {output.outputs[0].text.strip()}", flush=True)
+        if len(prompts) == 1:
             print()
-        else:
-            print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
+    else:
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            print(output.outputs[0].text.strip())
     if args.verbose:
-        decode = sorted(loop.step_times[2:]) or [float("nan")]
+        stats = llm.llm_engine.stats()
         print(
-            f"[pagedjax] load {loaded - start:.2f}s, first step {loop.step_times[0]:.2f}s, "
-            f"decode median {1000 * decode[len(decode) // 2]:.1f} ms/token",
+            f"[pagedjax] load {loaded - start:.2f}s, total {time.perf_counter() - start:.2f}s, "
+            f"{stats['num_generated_tokens']} tokens, {stats['num_compilations']} compilations",
             file=sys.stderr,
         )
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    messages: list[dict] = []
+    print("pagedjax chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        reply = ""
+        for output in llm.stream([_chat_prompt(llm, messages)], params):
+            print(output.deltas[0], end="", flush=True)
+            reply = output.outputs[0].text
+        print()
+        messages.append({"role": "assistant", "content": reply})
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description="Paged-KV LLM inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="greedy completion of each prompt")
+    gen = commands.add_parser("generate", help="complete each prompt (greedy by default)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--model", default=None, help="HF model directory or .gguf file")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--max-model-len", type=int, default=2048)
+    _add_engine_args(gen)
     gen.add_argument("--no-chat-template", action="store_true", help="send the raw prompt")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     gen.set_defaults(run=_generate)
+    chat = commands.add_parser("chat", help="interactive chat, streaming the replies")
+    _add_engine_args(chat)
+    chat.set_defaults(run=_chat)
     return parser
 
 

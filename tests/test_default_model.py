@@ -1,5 +1,6 @@
-"""End to end on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): greedy tokens equal
-transformers' greedy tokens from the same file."""
+"""End to end on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): the engine's greedy
+tokens, for 16 chat prompts submitted together, equal transformers' greedy `generate` from the
+same file."""
 
 from __future__ import annotations
 
@@ -12,16 +13,27 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "Explain what a hash table is in one sentence.",
     "List three prime numbers.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "What is the boiling point of water in Celsius?",
+    "Name the largest planet in our solar system.",
+    "Describe a cat in five words.",
+    "What does CPU stand for?",
+    "Suggest a name for a pet goldfish.",
+    "Why is the sky blue? Answer briefly.",
+    "What is the opposite of cold?",
+    "Write one sentence about autumn.",
 ]
 MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def default_model():
-    from models.loader import load_model, load_tokenizer
+def llm():
+    from pagedjax.llm import LLM
 
-    config, params = load_model(None)
-    return config, params, load_tokenizer(None)
+    return LLM(None, max_model_len=512, max_num_batched_tokens=256, num_kv_blocks=512)
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -31,8 +43,8 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_default_model_config(default_model):
-    config, params, _ = default_model
+def test_default_model_config(llm):
+    config = llm.llm_engine.model_config
     assert config.architecture == "LlamaForCausalLM"
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
         30,
@@ -41,26 +53,28 @@ def test_default_model_config(default_model):
         3,
     )
     assert config.head_dim == 64 and config.vocab_size == 49152 and config.tie_word_embeddings
-    assert "lm_head" not in params
+    assert "lm_head" not in llm.llm_engine.runner.params
 
 
-def test_greedy_tokens_equal_transformers(default_model):
+def test_greedy_tokens_equal_transformers(llm):
     import torch
     from transformers import AutoModelForCausalLM
 
     from models.loader import resolve_model_path
-    from pagedjax.greedy_loop import GreedyLoop
+    from pagedjax.sampling_params import SamplingParams
 
-    config, params, tokenizer = default_model
-    loop = GreedyLoop(config, params, max_model_len=512)
-    ours = [list(loop.generate(chat_ids(tokenizer, p), MAX_TOKENS, (2,))) for p in PROMPTS]
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
+    outputs = llm.generate(
+        prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
+    ours = [o.outputs[0].token_ids for o in outputs]
 
     path = resolve_model_path(None).path
     hf = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    for prompt, tokens in zip(PROMPTS, ours, strict=True):
-        ids = chat_ids(tokenizer, prompt)
+    for prompt, ids, tokens in zip(PROMPTS, prompt_ids, ours, strict=True):
         with torch.no_grad():
             out = hf.generate(
                 torch.tensor([ids]),
@@ -71,4 +85,5 @@ def test_greedy_tokens_equal_transformers(default_model):
             )
         expected = out[0, len(ids) :].tolist()
         assert tokens == expected, f"{prompt!r}: {tokenizer.decode(tokens)!r}"
-    assert sum(len(t) for t in ours) > 2 * MAX_TOKENS  # real answers, not immediate EOS
+    assert sum(len(t) for t in ours) > 4 * MAX_TOKENS  # real answers, not immediate EOS
+    assert outputs[0].outputs[0].text.strip() == "The capital of France is Paris."

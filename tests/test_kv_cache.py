@@ -19,4 +19,3 @@ def test_write_lands_in_slots_and_padding_writes_nothing():
     expected_k[1, :, 1, 2] = np.asarray(k[1])
     np.testing.assert_array_equal(np.asarray(cache.k), expected_k)
     np.testing.assert_array_equal(np.asarray(cache.v), -expected_k)
-

@@ -28,7 +28,9 @@ def test_full_prompt_logits_match_transformers(name, tiny_model_dir):
     prompt = rng.integers(0, config.vocab_size, 23).tolist()
     block_size = 8
     table = [3, 1, 4]  # deliberately out of order
-    cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 6, block_size, config.head_dim)
+    cache = allocate_kv_cache(
+        config.num_layers, config.num_kv_heads, 6, block_size, config.head_dim
+    )
     meta = build_metadata([len(prompt)], [len(prompt)], [table], block_size)
     logits, _ = forward_logits_jit(
         params,
@@ -67,9 +69,7 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, tiny_mode
     step = 0
     while any(d < n for d, n in zip(done, lengths, strict=True)):
         live = [s for s in range(3) if done[s] < lengths[s]]
-        q_lens = [
-            prompt_chunks[s][step] if step < len(prompt_chunks[s]) else 1 for s in live
-        ]
+        q_lens = [prompt_chunks[s][step] if step < len(prompt_chunks[s]) else 1 for s in live]
         seq_lens = [done[s] + q for s, q in zip(live, q_lens, strict=True)]
         num_tokens = sum(q_lens)
         tokens = np.zeros(num_tokens + 3, np.int32)  # 3 padding tokens

@@ -4,8 +4,10 @@ allocation, copy-on-write forks, hashing, the memory ledger and error messages."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -425,3 +427,11 @@ def test_get_block_ids_returns_a_copy():
     ids = manager.get_block_ids(a)
     ids.append(0)
     assert len(manager.get_block_ids(a)) == 2
+
+
+def test_documented_example_runs(capsys):
+    doc = Path(__file__).resolve().parents[1] / "docs" / "kv_cache_manager.md"
+    example = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[-1]
+    exec(compile(example, str(doc), "exec"), {})
+    out = capsys.readouterr().out
+    assert "[1, 2, 3]" in out and "[(3, 5)]" in out

@@ -217,8 +217,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=250,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -167,7 +167,7 @@ class BlockPool:
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in new_blocks:
             if block.block_hash is not None:  # lazy eviction happens here, on reuse
-                pass
+                del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 self._num_free_cached -= 1
             block.ref_cnt = 1

@@ -27,6 +27,8 @@ EXTRA_KEY_FIELDS: tuple[str, ...] = ("cache_salt", "lora_id")
 """Request attributes that, when present and not None, enter every block key."""
 
 _token_structs: dict[int, struct.Struct] = {}
+_int64_structs: dict[int, struct.Struct] = {}
+_BLOCK_LEN = struct.Struct("<I")
 
 
 def _token_struct(num_tokens: int) -> struct.Struct:
@@ -34,6 +36,15 @@ def _token_struct(num_tokens: int) -> struct.Struct:
     if packer is None:
         # Length prefix + little-endian int64 ids: fixed width, so the encoding is injective.
         packer = _token_structs[num_tokens] = struct.Struct(f"<I{num_tokens}q")
+    return packer
+
+
+def _int64_struct(num_tokens: int) -> struct.Struct:
+    packer = _int64_structs.get(num_tokens)
+    if packer is None:
+        packer = struct.Struct(f"<{num_tokens}q")
+        if len(_int64_structs) < 256:  # whole-prompt sizes vary: keep the cache bounded
+            _int64_structs[num_tokens] = packer
     return packer
 
 
@@ -98,8 +109,8 @@ def extend_block_hashes(
     """Append keys for the full blocks of `token_ids` not yet in `block_hashes`.
 
     Incremental: only blocks that filled since the last call are hashed, so a request pays
-    for each of its blocks once. Same keys as chaining `hash_block_tokens`, inlined because
-    admission hashes whole prompts.
+    for each of its blocks once. Same keys as chaining `hash_block_tokens`; the new tokens
+    are packed in one call because admission hashes whole prompts.
     """
     num_full = len(token_ids) // block_size
     if max_blocks is not None and max_blocks < num_full:
@@ -108,13 +119,14 @@ def extend_block_hashes(
     if first >= num_full:
         return
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
-    pack = _token_struct(block_size).pack
+    start, end = first * block_size, num_full * block_size
+    packed = _int64_struct(end - start).pack(*token_ids[start:end])
+    header = _BLOCK_LEN.pack(block_size)
+    width = 8 * block_size
     sha256 = hashlib.sha256
     append = block_hashes.append
-    for start in range(first * block_size, num_full * block_size, block_size):
-        parent = sha256(
-            parent + pack(block_size, *token_ids[start : start + block_size]) + extra_keys
-        ).digest()
+    for offset in range(0, len(packed), width):
+        parent = sha256(parent + header + packed[offset : offset + width] + extra_keys).digest()
         append(parent)
 
 

@@ -205,12 +205,10 @@ class KVCacheManager:
             and slot_end > num_computed
             and blocks[num_computed // block_size].ref_cnt > 1
         )
-        if slot_end <= num_slots and num_full <= state.num_cached_blocks and not needs_cow:
-            self._update_fast_path_end(state, num_scheduled_end)
-            return []
-
-        num_new_blocks = -(-slot_end // block_size) - len(blocks) - len(hits)
-        num_needed = max(num_new_blocks, 0) + needs_cow
+        num_needed = -(-slot_end // block_size) - len(blocks) - len(hits)
+        if num_needed < 0:
+            num_needed = 0
+        num_needed += needs_cow
         pool = self.block_pool
         if num_needed or hits:
             num_free = pool.free_block_queue.num_free_blocks
@@ -219,11 +217,11 @@ class KVCacheManager:
                 num_free -= sum(1 for block in hits if block.ref_cnt == 0)
             if num_needed > num_free:
                 return None
-        if hits:
-            pool.touch(hits)
-            blocks.extend(hits)
-            state.block_ids.extend([block.block_id for block in hits])
-            state.num_cached_blocks = len(blocks)
+            if hits:
+                pool.touch(hits)
+                blocks.extend(hits)
+                state.block_ids.extend([block.block_id for block in hits])
+                state.num_cached_blocks = len(blocks)
         if num_needed:
             new_blocks = pool.get_new_blocks(num_needed)
             if needs_cow:
@@ -236,38 +234,32 @@ class KVCacheManager:
                 tail = new_blocks[:-1]
             else:
                 tail = new_blocks
+            block_ids = state.block_ids
             for block in tail:
                 blocks.append(block)
-                state.block_ids.append(block.block_id)
+                block_ids.append(block.block_id)
         else:
             new_blocks = []
 
-        if num_full > state.num_cached_blocks:
+        num_cached = state.num_cached_blocks
+        if num_full > num_cached:
             if self.enable_caching:
-                extend_block_hashes(
-                    state.block_hashes,
-                    request.all_token_ids,
-                    block_size,
-                    state.extra_keys,
-                    max_blocks=num_full,
-                )
-                pool.cache_full_blocks(
-                    blocks, state.block_hashes, state.num_cached_blocks, num_full
-                )
-            state.num_cached_blocks = num_full
-        self._update_fast_path_end(state, num_scheduled_end)
-        return new_blocks
+                block_hashes = state.block_hashes
+                if len(block_hashes) < num_full:
+                    extend_block_hashes(
+                        block_hashes, request.all_token_ids, block_size, state.extra_keys, num_full
+                    )
+                pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
+            state.num_cached_blocks = num_cached = num_full
 
-    def _update_fast_path_end(self, state: _RequestBlocks, next_write: int) -> None:
-        block_size = self.block_size
-        blocks = state.blocks
-        index = next_write // block_size
-        if next_write % block_size and index < len(blocks) and blocks[index].ref_cnt > 1:
-            state.fast_path_end = -1  # the next write needs copy-on-write
+        # Where the O(1) path holds next: up to the end of the held slots, short of filling
+        # the next block, and only if the next written block is private.
+        index = num_scheduled_end // block_size
+        if num_scheduled_end % block_size and blocks[index].ref_cnt > 1:
+            state.fast_path_end = -1
         else:
-            state.fast_path_end = min(
-                len(blocks) * block_size, (state.num_cached_blocks + 1) * block_size - 1
-            )
+            state.fast_path_end = min(len(blocks) * block_size, (num_cached + 1) * block_size - 1)
+        return new_blocks
 
     def _check_prefix_hit(
         self,

@@ -89,9 +89,10 @@ class MemoryLedger:
 
     def __str__(self) -> str:
         text = (
-            f"KV blocks: {self.used_blocks} used / {self.free_blocks} free "
-            f"({self.cached_free_blocks} cached) / {self.total_blocks} total, "
-            f"{self.token_capacity} token slots, usage {self.usage:.1%}"
+            f"KV blocks: {self.used_blocks} used, {self.free_blocks} free "
+            f"({self.cached_free_blocks} still cached), {self.total_blocks} total; "
+            f"{self.cached_blocks} cached; {self.token_capacity} token slots, "
+            f"usage {self.usage:.1%}"
         )
         if self.bytes_per_block is not None:
             text += f", {self.bytes_per_block} B/block, {self.total_bytes / 2**30:.2f} GiB"

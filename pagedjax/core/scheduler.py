@@ -92,18 +92,14 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _pick_victim(self) -> EngineRequest:
-        return max(self.running, key=lambda r: r.sort_key)
+    def _preempt(self, out: SchedulerOutput) -> EngineRequest:
+        """Frees the lowest-priority, latest-arrived running request: the list's tail.
 
-    def _preempt(self, victim: EngineRequest, out: SchedulerOutput) -> int:
-        """Frees the victim; returns the budget it had been given this step (refunded)."""
-        self.running.remove(victim)
-        refund = 0
-        for i, (req, num) in enumerate(out.scheduled):
-            if req is victim:
-                refund = num
-                del out.scheduled[i]
-                break
+        The tail is never a request already scheduled this step: running requests are served
+        in priority order from the head. So no victim ever holds slots allocated (and blocks
+        cached) for a step that will not run, and no budget needs refunding.
+        """
+        victim = self.running.pop()
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -111,13 +107,14 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(victim)
         self.waiting.insert(0, victim)  # front of the queue, whatever its sort key
-        return refund
+        return victim
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # Running requests first, in admission order.
+        # Running requests first, in priority order (FCFS among equals: sort is stable).
+        self.running.sort(key=lambda r: r.sort_key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -126,11 +123,7 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
-                if self.running.index(victim) < index:
-                    index -= 1
-                budget += self._preempt(victim, out)
-                if victim is request:
+                if self._preempt(out) is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 out.scheduled.append((request, num_new))

@@ -14,7 +14,10 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size (the null block included)
-    kv_cache_memory_bytes: int = 1 << 30  # pool budget when num_kv_blocks is not given
+    # Pool budget when num_kv_blocks is not given. None: on a GPU, gpu_memory_utilization of
+    # device memory minus weights and the profiled activation peak; on the CPU, 1 GiB.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 128  # running requests at once
     enable_prefix_caching: bool = True
@@ -48,3 +51,7 @@ class EngineConfig:
             f"num_kv_blocks must be at least 2 (one is the null block): {self.num_kv_blocks}",
         )
         check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1]: {self.gpu_memory_utilization}",
+        )

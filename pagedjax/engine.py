@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,9 +21,16 @@ from pagedjax.core.scheduler import Scheduler
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.worker.model_runner import ModelRunner, SampleRow, ScheduledSequence
+from pagedjax.worker.model_runner import (
+    ModelRunner,
+    SampleRow,
+    ScheduledSequence,
+    activation_bytes,
+)
 
 logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass
@@ -71,7 +80,7 @@ class LLMEngine:
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
         )
         num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(
-            config.kv_cache_memory_bytes, config.block_size
+            self._kv_budget_bytes(model_config, params), config.block_size
         )
         self._check_capacity(num_blocks)
         self.kv = KVCacheManager(
@@ -106,6 +115,35 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.num_generated_tokens = 0
         self.num_steps = 0
+        # (end time, tokens generated) of recent steps, for the tokens/s statistic.
+        self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
+
+    def _kv_budget_bytes(self, model_config: ModelConfig, params: Params) -> int:
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+        if not stats:
+            return CPU_KV_CACHE_BYTES
+        peak = activation_bytes(
+            model_config,
+            params,
+            config.max_num_batched_tokens,
+            -(-config.max_model_len // config.block_size),
+            _attention_fn(config.attention_backend),
+            jnp.dtype(config.dtype),
+        )
+        usable = config.gpu_memory_utilization * stats["bytes_limit"]
+        budget = int(usable - stats["bytes_in_use"] - peak)  # bytes_in_use: the weights
+        logger.info(
+            "KV budget %.2f GiB = %.0f%% of %.2f GiB - %.2f GiB in use - %.2f GiB activations",
+            budget / 2**30,
+            100 * config.gpu_memory_utilization,
+            stats["bytes_limit"] / 2**30,
+            stats["bytes_in_use"] / 2**30,
+            peak / 2**30,
+        )
+        return max(budget, 0)
 
     def _check_capacity(self, num_blocks: int) -> None:
         config = self.config
@@ -269,6 +307,7 @@ class LLMEngine:
             self._append_token(seq, row, result, now)
             group_id = self._group_id(seq)
             touched[group_id] = self._groups[group_id]
+        self._recent_steps.append((time.monotonic(), len(row_seqs)))
         outputs = [self._make_output(group) for group in touched.values()]
         for output in outputs:
             if output.finished:
@@ -386,4 +425,12 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.runner.num_compilations,
             "num_generated_tokens": self.num_generated_tokens,
+            "generation_tokens_per_s": self._tokens_per_second(),
         }
+
+    def _tokens_per_second(self) -> float:
+        if len(self._recent_steps) < 2:
+            return 0.0
+        (start, _), (end, _) = self._recent_steps[0], self._recent_steps[-1]
+        tokens = sum(n for _, n in list(self._recent_steps)[1:])
+        return tokens / max(end - start, 1e-9)

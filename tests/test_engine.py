@@ -261,3 +261,19 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
 def test_pool_too_small_for_max_model_len_fails_at_startup(tiny):
     with pytest.raises(ValueError, match="max_model_len <= 64"):
         make_engine(tiny, num_kv_blocks=5, block_size=16, max_model_len=128)
+
+
+def test_activation_profile_grows_with_tokens(tiny):
+    from pagedjax.worker.model_runner import activation_bytes
+
+    _, _, config, params = tiny("llama")
+    small, large = (activation_bytes(config, params, t, 8) for t in (16, 256))
+    assert 0 < small < large
+
+
+def test_stats(tiny):
+    engine = make_engine(tiny)
+    run(engine, make_prompts(3, seed=12), SamplingParams(max_tokens=6, **GREEDY))
+    stats = engine.stats()
+    assert stats["num_generated_tokens"] == 18 and stats["generation_tokens_per_s"] > 0
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_usage"] == 0.0

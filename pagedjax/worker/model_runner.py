@@ -49,6 +49,40 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return [*buckets, max_num_batched_tokens]
 
 
+def activation_bytes(
+    config: ModelConfig,
+    params: Params,
+    num_tokens: int,
+    max_blocks_per_seq: int,
+    attention_fn: AttentionFn = ragged_paged_attention,
+    kv_dtype: jnp.dtype = jnp.float32,
+) -> int:
+    """Peak temporary memory of the forward at `num_tokens` tokens, from XLA's compiled memory
+    analysis (compiled, never run) with a minimal pool, whose size does not change the
+    temporaries. Used to size the KV pool from the device memory that is left."""
+    cache = jax.eval_shape(
+        lambda: allocate_kv_cache(
+            config.num_layers, config.num_kv_heads, 2, 16, config.head_dim, kv_dtype
+        )
+    )
+    ints = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+    seqs = min(num_tokens, 256)
+    metadata = AttentionMetadata(
+        slot_mapping=ints,
+        block_tables=jax.ShapeDtypeStruct((seqs, max_blocks_per_seq), jnp.int32),
+        seq_lens=jax.ShapeDtypeStruct((seqs,), jnp.int32),
+        query_start_loc=jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
+        num_seqs=jax.ShapeDtypeStruct((), jnp.int32),
+        num_tokens=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    rows = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+    forward = jax.jit(forward_logits, static_argnames=("config", "attention_fn"))
+    compiled = forward.lower(
+        params, config, ints, ints, cache, metadata, rows, attention_fn
+    ).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
 @dataclass
 class ScheduledSequence:
     """One sequence's share of a step: compute `token_ids` after its computed context."""

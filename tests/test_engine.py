@@ -113,6 +113,7 @@ def test_greedy_invariant_to_preemption(tiny, reference_run):
         tiny, num_kv_blocks=14, block_size=8, max_model_len=64, enable_prefix_caching=False
     )
     assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
+    print(f"preemptions: {engine.scheduler.num_preemptions}")
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.num_free_blocks == 13
 
@@ -134,6 +135,8 @@ def test_greedy_invariant_to_prefix_caching(tiny):
     first = tokens_of(run(with_cache, prompts[:1], params))
     rest = tokens_of(run(with_cache, prompts[1:], params))
     assert first + rest == expected
+    stats = with_cache.kv.prefix_cache_stats
+    print(f"prefix cache: {stats.hits} of {stats.queries} tokens hit ({stats.hit_rate:.0%})")
     assert with_cache.kv.prefix_cache_stats.hits >= 5 * 40 // 8 * 8
 
 

@@ -7,16 +7,15 @@ engine, with transformers running the same greedy decode in the same process for
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
 PROMPT = "Explain in a few sentences why the sky is blue."
-RESULTS = Path(__file__).parent / "results"
 
 
 def engine_decode(engine, prompt_ids: list[int], tokens: int) -> list[float]:
@@ -106,12 +105,7 @@ def main() -> None:
             result["peer_decode_ms_per_token_median"] / result["decode_ms_per_token_median"]
         )
 
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "model_timing.json").write_text(json.dumps(result, indent=2) + "\n")
+    report("model_timing", result)
 
 
 if __name__ == "__main__":

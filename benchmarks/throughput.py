@@ -10,14 +10,13 @@ Prints output and total tokens/s, warmup time and compile count; writes JSON to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-RESULTS = Path(__file__).parent / "results"
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
 TOPICS = [
     "the history of the printing press",
     "how vaccines work",
@@ -96,12 +95,7 @@ def main() -> None:
         "compilations_after_warmup": engine.runner.num_compilations - compiled,
         "steps": engine.num_steps,
     }
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    report("throughput", result)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main() -> None:
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + args.prompts * (200 + args.tokens) // 16 + args.prompts,
+        num_kv_blocks=1 + max(args.prompts * (-(-(200 + args.tokens) // 16)), 512 // 16),
     )
     engine = llm.llm_engine
     warmup_s = engine.runner.warmup()

@@ -1,0 +1,448 @@
+"""The Pallas attention kernels against the pure-jnp oracle, their CUDA lowering, and the
+block-table check.
+
+On CPU the kernels run in Pallas interpret mode (slow: pools are tiny). With
+PAGEDJAX_PALLAS_INTERPRET=0 (and JAX_PLATFORMS=cuda) on a GPU the same tests run compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from kernels_pallas.decode_attention import (
+    DecodeConfig,
+    choose_num_splits,
+    decode_attention_kernel,
+)
+from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.metadata import AttentionMetadata, build_metadata
+from kernels_pallas.paged_attention import (
+    check_block_tables,
+    checkify_metadata,
+    paged_attention,
+    resolve_interpret,
+)
+from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
+from kernels_pallas.reference import ragged_paged_attention as reference
+
+INTERPRET = resolve_interpret()
+TOLERANCE = {  # atol, rtol per KV pool dtype
+    jnp.float32: (2e-5, 2e-5),
+    jnp.bfloat16: (3e-2, 3e-2),
+    jnp.float16: (4e-3, 4e-3),
+    jnp.float8_e4m3fn: (3e-2, 3e-2),
+}
+
+
+def make_case(
+    seed: int,
+    seqs: list[tuple[int, int]],  # (q_len, context length incl. the new tokens)
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_layers: int = 2,
+    kv_dtype=jnp.float32,
+    q_dtype=None,
+    num_tokens_padded: int | None = None,
+    num_seqs_padded: int | None = None,
+    max_blocks_per_seq: int | None = None,
+    spare_blocks: int = 3,
+) -> tuple[jax.Array, KVCache, AttentionMetadata]:
+    """A random pool whose pages are handed out in shuffled order, and ragged metadata."""
+    rng = np.random.default_rng(seed)
+    pages_needed = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = 1 + sum(pages_needed) + spare_blocks
+    shuffled = rng.permutation(np.arange(1, num_blocks))
+    tables, used = [], 0
+    for n in pages_needed:
+        tables.append([int(b) for b in shuffled[used : used + n]])
+        used += n
+    metadata = build_metadata(
+        [q for q, _ in seqs],
+        [c for _, c in seqs],
+        tables,
+        block_size,
+        num_tokens_padded=num_tokens_padded,
+        num_seqs_padded=num_seqs_padded,
+        max_blocks_per_seq=max_blocks_per_seq,
+    )
+    metadata = jax.tree.map(jnp.asarray, metadata)
+    shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    k = jnp.asarray(rng.normal(size=shape), jnp.float32).astype(kv_dtype)
+    v = jnp.asarray(rng.normal(size=shape), jnp.float32).astype(kv_dtype)
+    num_tokens = metadata.slot_mapping.shape[0]
+    q_dtype = q_dtype or (jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads * group, head_dim)), q_dtype)
+    return q, KVCache(k, v), metadata
+
+
+def expected(q, cache, layer, metadata, *, k_scale=None, v_scale=None, **kwargs) -> np.ndarray:
+    """The oracle in float32 (dequantising an fp8 pool first), IEEE matmuls on any backend."""
+    k = cache.k.astype(jnp.float32)
+    v = cache.v.astype(jnp.float32)
+    if k_scale is not None:
+        k = k * jnp.asarray(k_scale, jnp.float32).reshape(1, -1, 1, 1, 1)
+    if v_scale is not None:
+        v = v * jnp.asarray(v_scale, jnp.float32).reshape(1, -1, 1, 1, 1)
+    with jax.default_matmul_precision("highest"):
+        out = reference(q.astype(jnp.float32), KVCache(k, v), layer, metadata, **kwargs)
+    return np.asarray(out)
+
+
+def assert_matches(out, want, metadata, kv_dtype) -> None:
+    real = int(metadata.query_start_loc[-1])
+    atol, rtol = TOLERANCE[kv_dtype]
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(out[:real], want[:real], atol=atol, rtol=rtol)
+    np.testing.assert_array_equal(out[real:], 0)  # padding tokens: zeros, never NaN
+
+
+# Mixed steps: prefill chunks (some longer than a query block), decode tokens, a chunk that
+# continues a cached context, and a context spanning many pages.
+MIXED = [(7, 7), (1, 40), (20, 45), (1, 1), (3, 70), (1, 9)]
+
+RAGGED_CASES = [
+    # id, block_size, kv heads, group, head_dim, kv dtype, window, soft cap, layer
+    ("bs8-mha-f32-layer1", 8, 2, 1, 64, jnp.float32, None, None, 1),
+    ("bs16-gqa3-window", 16, 1, 3, 64, jnp.float32, 6, None, 0),
+    ("bs32-gqa4-d128-softcap", 32, 2, 4, 128, jnp.float32, None, 5.0, 2),
+    ("bs16-gqa8-bf16", 16, 1, 8, 64, jnp.bfloat16, None, None, 1),
+    ("bs8-gqa4-f16-window-softcap", 8, 1, 4, 64, jnp.float16, 13, 3.0, 1),
+    ("bs16-gqa2-d256", 16, 1, 2, 256, jnp.float32, None, None, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_dim,kv_dtype,window,soft_cap,layer",
+    [c[1:] for c in RAGGED_CASES],
+    ids=[c[0] for c in RAGGED_CASES],
+)
+def test_ragged_kernel_matches_reference(
+    block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer
+):
+    q, cache, metadata = make_case(
+        0,
+        MIXED,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        num_layers=3 if layer == 2 else 2,
+        kv_dtype=kv_dtype,
+        num_tokens_padded=40,  # padding tokens
+        num_seqs_padded=8,  # padding sequences
+        max_blocks_per_seq=10,
+    )
+    window_arg = None if window is None else jnp.int32(window)
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window_arg, soft_cap=soft_cap)
+    # With a window, small tiles and query blocks make the kernel skip tiles left of the
+    # window and split chunks over several query blocks.
+    config = RaggedConfig(16, 16) if window else RaggedConfig()
+    out = paged_attention(
+        q,
+        cache,
+        jnp.int32(layer),
+        metadata,
+        interpret=INTERPRET,
+        decode_only=False,
+        ragged_config=config,
+        **kwargs,
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_matches(out, expected(q, cache, layer, metadata, **kwargs), metadata, kv_dtype)
+
+
+def test_ragged_kernel_random_mixes_in_one_bucket():
+    """Random ragged steps in one fixed bucket (one compile): prefill, chunked prefill, decode,
+    sequences of every length from 1 token up to many pages."""
+    rng = np.random.default_rng(1)
+    for seed in range(4):
+        num_seqs = int(rng.integers(1, 6))
+        seqs = []
+        budget = 32
+        for _ in range(num_seqs):
+            q_len = int(rng.integers(1, max(2, budget // 2)))
+            if budget - q_len < 0:
+                break
+            budget -= q_len
+            seqs.append((q_len, q_len + int(rng.integers(0, 60))))
+        q, cache, metadata = make_case(
+            seed,
+            seqs,
+            block_size=8,
+            num_kv_heads=2,
+            group=2,
+            head_dim=64,
+            num_tokens_padded=32,
+            num_seqs_padded=6,
+            max_blocks_per_seq=10,
+            spare_blocks=60 - sum(-(-c // 8) for _, c in seqs),
+        )
+        out = paged_attention(
+            q, cache, 1, metadata, scale=0.125, interpret=INTERPRET, decode_only=False
+        )
+        assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
+
+
+def test_ragged_kernel_fp8_pool_with_per_head_scales():
+    q, cache, metadata = make_case(
+        2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
+    )
+    k_scale, v_scale = jnp.array([0.5, 2.0]), jnp.array([1.5, 0.25])
+    # Quantise: the pool holds x / scale in fp8; the oracle sees the dequantised fp8 values.
+    fp8 = KVCache(
+        (cache.k / k_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+        (cache.v / v_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+    )
+    q = q.astype(jnp.bfloat16)
+    out = paged_attention(
+        q, fp8, 1, metadata, scale=0.125, k_scale=k_scale, v_scale=v_scale, interpret=INTERPRET
+    )
+    want = expected(q, fp8, 1, metadata, scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    assert_matches(out, want, metadata, jnp.float8_e4m3fn)
+
+
+DECODE_SEQS = [(1, 200), (1, 1), (1, 37), (1, 129), (1, 64)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_k_matches_reference(num_splits):
+    q, cache, metadata = make_case(
+        3,
+        DECODE_SEQS,
+        block_size=16,
+        num_kv_heads=2,
+        group=4,
+        head_dim=64,
+        num_seqs_padded=6,  # a padding sequence
+        num_tokens_padded=6,  # and its padding token
+        max_blocks_per_seq=13,
+    )
+    kwargs = dict(scale=0.125, sliding_window=jnp.int32(50) if num_splits == 3 else None)
+    out = paged_attention(
+        q,
+        cache,
+        1,
+        metadata,
+        interpret=INTERPRET,
+        decode_only=True,
+        decode_config=DecodeConfig(num_splits=num_splits, kv_tile_tokens=16),
+        **kwargs,
+    )
+    assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
+
+
+def test_decode_split_k_bf16_gqa8_soft_cap():
+    q, cache, metadata = make_case(
+        4,
+        DECODE_SEQS,
+        block_size=32,
+        num_kv_heads=1,
+        group=8,
+        head_dim=128,
+        kv_dtype=jnp.bfloat16,
+        max_blocks_per_seq=7,
+    )
+    kwargs = dict(scale=128**-0.5, soft_cap=4.0)
+    out = paged_attention(q, cache, 0, metadata, interpret=INTERPRET, decode_only=True, **kwargs)
+    assert_matches(out, expected(q, cache, 0, metadata, **kwargs), metadata, jnp.bfloat16)
+
+
+def test_dispatch_on_square_buckets_picks_the_right_kernel():
+    """decode_only=None on a T == S bucket: a decode-only step and a step with a chunk (which
+    the decode kernel would get wrong) both match the oracle."""
+    for seqs in ([(1, 30), (1, 5), (1, 17), (0, 0)], [(3, 30), (1, 5), (0, 0), (0, 0)]):
+        real = [s for s in seqs if s[0]]
+        q, cache, metadata = make_case(
+            5,
+            real,
+            block_size=8,
+            num_kv_heads=1,
+            group=2,
+            head_dim=64,
+            num_tokens_padded=4,
+            num_seqs_padded=4,
+            max_blocks_per_seq=4,
+        )
+        out = paged_attention(q, cache, 1, metadata, scale=0.125, interpret=INTERPRET)
+        assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
+
+
+def test_drop_in_for_attention_fn_inside_a_layer_scan():
+    """The model's call: traced layer index and per-layer traced window inside lax.scan."""
+    q, cache, metadata = make_case(
+        6, MIXED[:4], block_size=16, num_kv_heads=1, group=2, head_dim=64, num_layers=2
+    )
+    windows = jnp.array([0, 9], jnp.int32)
+    attention_fn = functools.partial(paged_attention, interpret=INTERPRET)
+
+    @jax.jit
+    def run(q, cache, metadata):
+        def step(carry, per_layer):
+            layer, window = per_layer
+            out = attention_fn(q, cache, layer, metadata, scale=0.125, sliding_window=window)
+            return carry, out
+
+        return jax.lax.scan(step, 0, (jnp.arange(2, dtype=jnp.int32), windows))[1]
+
+    outs = run(q, cache, metadata)
+    for layer in range(2):
+        want = expected(q, cache, layer, metadata, scale=0.125, sliding_window=windows[layer])
+        assert_matches(outs[layer], want, metadata, jnp.float32)
+
+
+def test_split_count_follows_batch_against_sms():
+    # H200: 132 SMs, 8 KV heads: fill ~2 waves, never below 256 positions per split.
+    assert choose_num_splits(1, 8, 32768, num_sms=132) == 33
+    assert choose_num_splits(16, 8, 4096, num_sms=132) == 3
+    assert choose_num_splits(64, 8, 2048, num_sms=132) == 1
+    assert choose_num_splits(256, 8, 1024, num_sms=132) == 1
+    assert choose_num_splits(1, 8, 512, num_sms=132) == 2  # short context caps the split
+    assert choose_num_splits(1, 8, 32768, num_sms=108) == 27  # fewer SMs, fewer splits
+
+
+def test_bad_block_table_is_caught():
+    q, cache, metadata = make_case(
+        7, [(4, 20), (1, 9)], block_size=8, num_kv_heads=1, group=1, head_dim=64
+    )
+    num_blocks = cache.num_blocks
+    check_block_tables(metadata, num_blocks, 8)  # the good table passes
+    bad_tables = metadata.block_tables.at[1, 1].set(num_blocks + 5)
+    bad = AttentionMetadata(**{**vars(metadata), "block_tables": bad_tables})
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\]"):
+        check_block_tables(bad, num_blocks, 8)
+    negative = AttentionMetadata(**{**vars(metadata), "block_tables": bad_tables.at[1, 1].set(-2)})
+    with pytest.raises(ValueError, match="not a page"):
+        check_block_tables(negative, num_blocks, 8)
+
+    # Interpret mode would clamp the page id and return a plausible wrong answer; the
+    # jittable check turns it into an error instead.
+    @jax.jit
+    @checkify.checkify
+    def checked(metadata):
+        checkify_metadata(metadata, num_blocks, 8)
+        return metadata.seq_lens.sum()
+
+    err, _ = checked(metadata)
+    assert err.get() is None
+    err, _ = checked(bad)
+    assert "invalid attention metadata" in err.get()
+
+
+# --- CUDA lowering on a CPU-only host ------------------------------------------------------
+
+
+def triton_kernels(lowered) -> tuple[list[bytes], list[str]]:
+    """(Triton IR bytecode of each Pallas kernel, custom-call targets that hold a kernel).
+
+    jaxlib <= 0.10.2 embeds the Triton IR for XLA to compile (`__gpu$xla.gpu.triton`); newer
+    jaxlibs on a GPU host compile to PTX at lowering and embed that instead."""
+    from jax._src.lib.mlir import ir
+
+    modules, targets = [], []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        attrs = inner.operation.attributes
+                        target = ir.StringAttr(attrs["call_target_name"]).value
+                        if "triton" in target:
+                            targets.append(target)
+                        if target == "__gpu$xla.gpu.triton":
+                            config = ir.DictAttr(attrs["mhlo.backend_config"])
+                            modules.append(ir.StringAttr(config["ir"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return modules, targets
+
+
+def verify_triton_module(bytecode: bytes) -> str:
+    """Parses and verifies a kernel's Triton IR with the dialect bundled in jaxlib."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    context = mlir.JaxIrContext()
+    context.append_dialect_registry(mlir.upstream_dialects)
+    tt_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
+        module = ir.Module.parse(bytecode)
+        assert module.operation.verify()
+        return str(module)
+
+
+LOWERING_CASES = [
+    # id, kernel, block_size, kv heads, group, head_dim, kv dtype, window, soft cap
+    ("ragged-bf16-d128-gqa4-window", "ragged", 16, 8, 4, 128, jnp.bfloat16, True, None),
+    ("ragged-f32-d64-mha-bs8", "ragged", 8, 4, 1, 64, jnp.float32, False, None),
+    ("ragged-fp8-d256-gqa8-softcap", "ragged", 32, 2, 8, 256, jnp.float8_e4m3fn, False, 30.0),
+    ("ragged-f16-d128-gqa3", "ragged", 16, 2, 3, 128, jnp.float16, True, None),
+    ("decode-bf16-d128-gqa4-window", "decode", 16, 8, 4, 128, jnp.bfloat16, True, None),
+    ("decode-f32-d64-mha-bs8", "decode", 8, 4, 1, 64, jnp.float32, False, 50.0),
+    ("decode-fp8-d256-gqa8", "decode", 32, 2, 8, 256, jnp.float8_e4m3fn, False, None),
+]
+
+
+@pytest.mark.parametrize(
+    "kernel,block_size,num_kv_heads,group,head_dim,kv_dtype,use_window,soft_cap",
+    [c[1:] for c in LOWERING_CASES],
+    ids=[c[0] for c in LOWERING_CASES],
+)
+def test_kernel_lowers_for_cuda(
+    kernel, block_size, num_kv_heads, group, head_dim, kv_dtype, use_window, soft_cap
+):
+    """Traces for a CUDA target without a GPU: runs the Pallas -> Triton IR lowering (every
+    primitive must have a Triton rule, every shape must be a power of two) and verifies the
+    Triton module. PTX compilation happens in XLA's GPU backend and needs a CUDA jaxlib."""
+    num_tokens, num_seqs, num_layers, num_blocks, width = 64, 8, 3, 64, 16
+    pool = jax.ShapeDtypeStruct(
+        (num_layers, num_kv_heads, num_blocks, block_size, head_dim), kv_dtype
+    )
+    q_dtype = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    scales = None if kv_dtype != jnp.float8_e4m3fn else jax.ShapeDtypeStruct((), jnp.float32)
+    static = dict(scale=0.1, soft_cap=soft_cap, use_window=use_window, interpret=False)
+    if kernel == "ragged":
+        fn = functools.partial(ragged_paged_attention_kernel, **static)
+        args = (
+            jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), q_dtype),
+            pool,
+            pool,
+            i32(()),
+            i32((num_seqs + 1,)),
+            i32((num_seqs,)),
+            i32((num_seqs, width)),
+            i32(()),
+            scales,
+            scales,
+        )
+    else:
+        fn = functools.partial(decode_attention_kernel, config=DecodeConfig(num_splits=4), **static)
+        args = (
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads * group, head_dim), q_dtype),
+            pool,
+            pool,
+            i32(()),
+            i32((num_seqs,)),
+            i32((num_seqs, width)),
+            i32(()),
+            scales,
+            scales,
+        )
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    modules, targets = triton_kernels(lowered)
+    assert len(targets) == 1, targets  # one Triton kernel, no Mosaic GPU, no fallback
+    if modules:  # Triton IR embedded: verify it, and the two dots are tensor-core tt.dot
+        assert verify_triton_module(modules[0]).count("tt.dot") == 2

@@ -50,13 +50,17 @@ class _Group:
 
 
 def _attention_fn(backend: str):
-    from kernels_pallas.reference import ragged_paged_attention
+    """ "auto": the Pallas kernels on a GPU, the jnp reference elsewhere. "pallas" on the CPU runs
+    the kernels in interpret mode (slow; for tests)."""
+    import jax
 
-    if backend in ("auto", "reference"):
+    if backend == "reference" or (backend == "auto" and jax.default_backend() != "gpu"):
+        from kernels_pallas.reference import ragged_paged_attention
+
         return ragged_paged_attention
-    raise NotImplementedError(
-        f"attention_backend {backend!r} is not available yet; use 'auto' or 'reference'"
-    )
+    from kernels_pallas.paged_attention import paged_attention
+
+    return paged_attention
 
 
 class LLMEngine:

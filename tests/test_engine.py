@@ -280,3 +280,12 @@ def test_stats(tiny):
     stats = engine.stats()
     assert stats["num_generated_tokens"] == 18 and stats["generation_tokens_per_s"] > 0
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_usage"] == 0.0
+
+
+def test_pallas_backend_gives_the_reference_tokens(tiny):
+    """The Pallas kernels (interpret mode on the CPU) drive the engine to the same tokens."""
+    prompts = make_prompts(3, seed=13, lo=5, hi=20)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    expected = tokens_of(run(make_engine(tiny, attention_backend="reference"), prompts, params))
+    engine = make_engine(tiny, attention_backend="pallas", max_num_batched_tokens=16)
+    assert tokens_of(run(engine, prompts, params)) == expected

@@ -14,6 +14,11 @@ Layers are stacked so the model can scan over layers with the pool in the scan c
 layer writes into and gathers from the stacked array at its layer index, so no step slices
 (copies) a layer's pool.
 
+An fp8 pool (float8_e4m3fn, one byte per element: half of bf16) carries per-layer, per-KV-head
+float32 scales: stored = value / scale on write, value = stored * scale on read. Other dtypes
+have no scales. Scales start at 1 (vLLM's default without calibration); set them from
+calibration data to use more of fp8's range.
+
 Block 0 is the null block: the block manager never hands it out, so padding entries of block
 tables may point at it. Padding tokens carry a negative slot and are dropped by the write.
 """
@@ -34,6 +39,8 @@ PAD_SLOT = -1
 class KVCache:
     k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
     v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    k_scale: jax.Array | None = None  # [num_layers, num_kv_heads] float32, fp8 pools only
+    v_scale: jax.Array | None = None  # [num_layers, num_kv_heads] float32, fp8 pools only
 
     @property
     def num_blocks(self) -> int:
@@ -59,7 +66,26 @@ def allocate_kv_cache(
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
     shape = kv_cache_shape(num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if not is_quantized(dtype):
+        return KVCache(k, v)
+    # Two arrays, not one twice: the pool is donated, and a buffer cannot be donated twice.
+    scales = [jnp.ones((num_layers, num_kv_heads), jnp.float32) for _ in range(2)]
+    return KVCache(k, v, *scales)
+
+
+def is_quantized(dtype: jnp.dtype) -> bool:
+    """Whether a pool of this dtype stores scaled values (the 8-bit float formats)."""
+    return jnp.dtype(dtype).itemsize == 1
+
+
+KV_CACHE_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp8": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
 
 
 def write_kv(
@@ -77,10 +103,13 @@ def write_kv(
     num_slots = cache.num_blocks * cache.block_size
     slot = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
     block, offset = slot // cache.block_size, slot % cache.block_size
+    if cache.k_scale is not None:
+        k = k.astype(jnp.float32) / cache.k_scale[layer][None, :, None]
+        v = v.astype(jnp.float32) / cache.v_scale[layer][None, :, None]
     # Advanced indices (block, offset) around the head slice put T first: updates are [T, H, D].
     new_k = cache.k.at[layer, :, block, offset].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, block, offset].set(v.astype(cache.v.dtype), mode="drop")
-    return KVCache(k=new_k, v=new_v)
+    return KVCache(new_k, new_v, cache.k_scale, cache.v_scale)
 
 
 def copy_blocks(cache: KVCache, copies: jax.Array) -> KVCache:
@@ -90,6 +119,8 @@ def copy_blocks(cache: KVCache, copies: jax.Array) -> KVCache:
     """
     src, dst = copies[:, 0], copies[:, 1]
     return KVCache(
-        k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
-        v=cache.v.at[:, :, dst].set(cache.v[:, :, src]),
+        cache.k.at[:, :, dst].set(cache.k[:, :, src]),
+        cache.v.at[:, :, dst].set(cache.v[:, :, src]),
+        cache.k_scale,
+        cache.v_scale,
     )

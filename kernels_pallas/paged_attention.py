@@ -74,13 +74,16 @@ def paged_attention(
     `layer` may be traced (the model scans over layers): the kernels index the stacked pool
     with it, no layer slice is copied. `sliding_window`: None, or an int / traced int32 with 0
     meaning unlimited. `scale` and `soft_cap` are static Python floats. `k_scale`/`v_scale`
-    dequantise an fp8 pool: None (1), a scalar (per tensor), [Hkv] (per head) or [L, Hkv].
+    dequantise an fp8 pool: None (the pool's own scales, or 1), a scalar (per tensor), [Hkv]
+    (per head) or [L, Hkv].
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
     interpret = resolve_interpret(interpret)
+    if k_scale is None and v_scale is None:  # an fp8 pool carries its own scales
+        k_scale, v_scale = cache.k_scale, cache.v_scale
     use_window = sliding_window is not None
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     layer = jnp.asarray(layer, jnp.int32)

@@ -54,6 +54,9 @@ def ragged_paged_attention(
     # The advanced indices (layer, pages) put [T, B] first: k, v are [T, B, Hkv, block_size, D].
     k = cache.k[layer, :, pages].astype(jnp.float32)
     v = cache.v[layer, :, pages].astype(jnp.float32)
+    if cache.k_scale is not None:  # an fp8 pool: dequantize per KV head
+        k = k * cache.k_scale[layer][None, None, :, None, None]
+        v = v * cache.v_scale[layer][None, None, :, None, None]
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("tkgd,tbkcd->tkgbc", qg, k).reshape(num_tokens, num_kv_heads, group, width)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights and activations
+    kv_cache_dtype: str = "auto"  # "auto" follows dtype; "fp8" (e4m3) halves KV bytes vs bf16
     seed: int = 0  # seeds the draws of requests that give no seed
 
     def __post_init__(self) -> None:
@@ -45,6 +47,10 @@ class EngineConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
             f"{self.attention_backend!r}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtype!r}",
         )
         check(
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
 from pagedjax.config import EngineConfig
@@ -80,11 +81,14 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
 
+        kv_dtype = (
+            dtype if config.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[config.kv_cache_dtype]
+        )
         spec = KVCacheSpec(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
         )
         num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(
-            self._kv_budget_bytes(model_config, params), config.block_size
+            self._kv_budget_bytes(model_config, params, kv_dtype), config.block_size
         )
         self._check_capacity(num_blocks)
         self.kv = KVCacheManager(
@@ -109,7 +113,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             attention_fn=_attention_fn(config.attention_backend),
-            kv_dtype=dtype,
+            kv_dtype=kv_dtype,
         )
         self.eos_token_ids = frozenset(
             model_config.eos_token_ids
@@ -122,7 +126,9 @@ class LLMEngine:
         # (end time, tokens generated) of recent steps, for the tokens/s statistic.
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
 
-    def _kv_budget_bytes(self, model_config: ModelConfig, params: Params) -> int:
+    def _kv_budget_bytes(
+        self, model_config: ModelConfig, params: Params, kv_dtype: jnp.dtype
+    ) -> int:
         config = self.config
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
@@ -135,7 +141,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             -(-config.max_model_len // config.block_size),
             _attention_fn(config.attention_backend),
-            jnp.dtype(config.dtype),
+            kv_dtype,
         )
         usable = config.gpu_memory_utilization * stats["bytes_limit"]
         budget = int(usable - stats["bytes_in_use"] - peak)  # bytes_in_use: the weights

@@ -3,6 +3,7 @@ greedy outputs to scheduling and memory decisions, sampling, n > 1, stops, abort
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -289,3 +290,14 @@ def test_pallas_backend_gives_the_reference_tokens(tiny):
     expected = tokens_of(run(make_engine(tiny, attention_backend="reference"), prompts, params))
     engine = make_engine(tiny, attention_backend="pallas", max_num_batched_tokens=16)
     assert tokens_of(run(engine, prompts, params)) == expected
+
+
+def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
+    prompts = make_prompts(3, seed=14)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    fp8 = make_engine(tiny, kv_cache_dtype="fp8")
+    outputs = run(fp8, prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outputs)
+    assert fp8.runner.kv_cache.k.dtype == jnp.float8_e4m3fn
+    f32 = make_engine(tiny)
+    assert fp8.kv.kv_spec.bytes_per_block(16) * 4 == f32.kv.kv_spec.bytes_per_block(16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.kv_cache import PAD_SLOT, allocate_kv_cache, write_kv
+from kernels_pallas.kv_cache import PAD_SLOT, KVCache, allocate_kv_cache, write_kv
 
 
 def test_write_lands_in_slots_and_padding_writes_nothing():
@@ -19,3 +19,16 @@ def test_write_lands_in_slots_and_padding_writes_nothing():
     expected_k[1, :, 1, 2] = np.asarray(k[1])
     np.testing.assert_array_equal(np.asarray(cache.k), expected_k)
     np.testing.assert_array_equal(np.asarray(cache.v), -expected_k)
+
+
+def test_fp8_pool_quantizes_with_its_scales_on_write():
+    cache = allocate_kv_cache(2, 2, 3, 4, 8, jnp.float8_e4m3fn)
+    assert cache.k.dtype == jnp.float8_e4m3fn and cache.k_scale.shape == (2, 2)
+    cache = KVCache(cache.k, cache.v, cache.k_scale.at[1, 1].set(0.5), cache.v_scale * 2)
+    k = jnp.linspace(-3, 3, 2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)
+    cache = write_kv(cache, 1, k, k, jnp.array([5, PAD_SLOT], jnp.int32))
+    stored_k = np.asarray(cache.k[1, :, 1, 1].astype(jnp.float32))  # [heads, D]
+    stored_v = np.asarray(cache.v[1, :, 1, 1].astype(jnp.float32))
+    np.testing.assert_allclose(stored_k[0], np.asarray(k[0, 0]), rtol=0.07)  # scale 1
+    np.testing.assert_allclose(stored_k[1], np.asarray(k[0, 1]) / 0.5, rtol=0.07)
+    np.testing.assert_allclose(stored_v, np.asarray(k[0]) / 2, rtol=0.07)

@@ -4,6 +4,7 @@ allocation, copy-on-write forks, hashing, the memory ledger and error messages."
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -22,7 +23,13 @@ from pagedjax.core import (
     hash_block_tokens,
     hash_request_tokens,
 )
-from pagedjax.core.hashing import encode_extra_keys, extend_block_hashes, request_extra_keys
+from pagedjax.core.hashing import (
+    ROOT_HASH,
+    encode_extra_keys,
+    extend_block_hashes,
+    make_block_hasher,
+    request_extra_keys,
+)
 
 BS = 4
 
@@ -87,6 +94,21 @@ def test_incremental_hashing_matches_full_hashing():
     for end in range(len(tokens) + 1):
         extend_block_hashes(grown, tokens[:end], BS, b"k")
         assert grown == full[: end // BS]
+
+
+def test_block_hasher_matches_hash_block_tokens():
+    for block_size in (1, 4, 16):
+        hasher = make_block_hasher(block_size)
+        tokens = [7, 2**40, -1, 0] * 4
+        parent = hash_block_tokens(None, tokens[:block_size])
+        for extra in (b"", b"salt"):
+            for tokens_block in (tokens[:block_size], tokens[-block_size:]):
+                assert hasher(parent, tokens_block, extra) == hash_block_tokens(
+                    parent, tokens_block, extra
+                )
+            assert hasher(ROOT_HASH, tokens[:block_size], extra) == hash_block_tokens(
+                None, tokens[:block_size], extra
+            )
 
 
 def test_extra_keys_encoding_is_injective_on_examples():
@@ -245,6 +267,69 @@ def test_allocate_returns_none_without_side_effects():
     c.append_token_ids([91] * 20)
     assert manager.allocate_slots(c, 20) is None
     assert _snapshot(manager) == before
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_one_token_decode_path_matches_the_general_path(block_size, enable_caching):
+    """`allocate_slots(req, 1)` takes dedicated paths for decoding; passing an empty hit list
+    forces the general path. Both must leave identical state and return equal results, also
+    around forks (copy-on-write), lookahead reservations, full pools and frees."""
+
+    rng = random.Random(block_size)
+    managers = [KVCacheManager(24, block_size, enable_caching=enable_caching) for _ in range(2)]
+    requests: list[dict] = [{}, {}]  # per manager: request id -> Request
+    next_id = 0
+
+    def state(manager):
+        fast_path_ends = {rid: s.fast_path_end for rid, s in manager._requests.items()}
+        return _snapshot(manager), fast_path_ends, manager.pop_block_copies()
+
+    for _ in range(600):
+        action = rng.random()
+        live = sorted(requests[0])
+        if action < 0.1 or not live:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 3 * block_size + 2))]
+            salt = rng.choice([None, None, "s"])
+            for manager, reqs in zip(managers, requests, strict=True):
+                request = Request(next_id, prompt, cache_salt=salt)
+                hits, num_hits = manager.get_computed_blocks(request)
+                new = manager.allocate_slots(request, len(prompt) - num_hits, hits, num_hits)
+                if new is None:
+                    manager.free(request)
+                else:
+                    request.num_computed_tokens = len(prompt)
+                    request.append_token_ids(1)
+                    reqs[next_id] = request
+            next_id += 1
+        elif action < 0.15:
+            rid = rng.choice(live)
+            for manager, reqs in zip(managers, requests, strict=True):
+                manager.free(reqs.pop(rid))
+        elif action < 0.2:
+            rid = rng.choice(live)
+            for manager, reqs in zip(managers, requests, strict=True):
+                parent = reqs[rid]
+                child = parent.fork(next_id)
+                child.append_token_ids(2)
+                manager.fork(parent, child)
+                reqs[next_id] = child
+            next_id += 1
+        else:
+            rid = rng.choice(live)
+            lookahead = rng.choice([0] * 8 + [block_size + 1])
+            token = rng.randrange(3)
+            results = []
+            for index, (manager, reqs) in enumerate(zip(managers, requests, strict=True)):
+                request = reqs[rid]
+                general = [] if index else None
+                new = manager.allocate_slots(request, 1, general, num_lookahead_tokens=lookahead)
+                results.append(None if new is None else [block.block_id for block in new])
+                if new is not None:
+                    request.num_computed_tokens += 1
+                    request.append_token_ids(token)
+            assert results[0] == results[1]
+        assert state(managers[0]) == state(managers[1])
 
 
 def test_allocate_reuses_held_blocks_and_lookahead_reserves_slots():

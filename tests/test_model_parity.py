@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -98,3 +99,29 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, tiny_mode
             done[s] = L
         step += 1
     assert step == 10  # the longest sequence: 3 prefill chunks, then 7 decode steps
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, tolerance", [(jnp.bfloat16, 0.05), (jnp.float16, 0.01), (jnp.float8_e4m3fn, 0.3)]
+)
+def test_low_precision_kv_pools_stay_close_to_float32(tiny_model_dir, kv_dtype, tolerance):
+    """The same paged forward with a bf16 / fp16 / fp8 pool: logits near the float32 pool's."""
+    path, _ = tiny_model_dir("llama")
+    config, params = load_model(path)
+    prompt = np.random.default_rng(3).integers(0, config.vocab_size, 30).astype(np.int32)
+    meta = build_metadata([30], [30], [[2, 5, 1, 4]], 8)
+    positions = token_positions([30], [30], 30)
+    rows = np.arange(30, dtype=np.int32)
+    logits = {}
+    for dtype in (jnp.float32, kv_dtype):
+        cache = allocate_kv_cache(
+            config.num_layers, config.num_kv_heads, 6, 8, config.head_dim, dtype
+        )
+        out, _ = forward_logits_jit(params, config, prompt, positions, cache, meta, rows)
+        logits[dtype] = np.asarray(out)
+    error = np.abs(logits[kv_dtype] - logits[jnp.float32]).max()
+    spread = np.abs(logits[jnp.float32]).max()
+    print(
+        f"{jnp.dtype(kv_dtype).name} KV: max abs logit error {error:.4f} (max |logit| {spread:.1f})"
+    )
+    assert 0 < error < tolerance * spread

@@ -159,25 +159,70 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the front of the free queue (ref count 0 -> 1)."""
-        if num_blocks > self.free_block_queue.num_free_blocks:
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
             raise ValueError(
                 f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free; "
                 "check num_free_blocks first (allocate_slots does)"
             )
-        new_blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in new_blocks:
-            if block.block_hash is not None:  # lazy eviction happens here, on reuse
-                del self.cached_blocks[block.block_hash]
+        # `queue.popleft_n` and the eviction in one pass, relinking the queue once.
+        new_blocks = []
+        append = new_blocks.append
+        cached_blocks = self.cached_blocks
+        num_evicted = 0
+        head = queue._head
+        block = head.next_free
+        for _ in range(num_blocks):
+            append(block)
+            next_block = block.next_free
+            block.prev_free = block.next_free = None
+            block_hash = block.block_hash
+            if block_hash is not None:  # lazy eviction happens here, on reuse
+                del cached_blocks[block_hash]
                 block.block_hash = None
-                self._num_free_cached -= 1
+                num_evicted += 1
             block.ref_cnt = 1
+            block = next_block
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free_blocks -= num_blocks
+        self._num_free_cached -= num_evicted
         return new_blocks
+
+    def get_new_block(self) -> KVCacheBlock | None:
+        """`get_new_blocks(1)[0]` for the per-step decode path; None (nothing changed) if no
+        block is free."""
+        queue = self.free_block_queue
+        head = queue._head
+        block = head.next_free
+        if block is queue._tail:
+            return None
+        next_block = block.next_free
+        head.next_free = next_block
+        next_block.prev_free = head
+        block.prev_free = block.next_free = None
+        queue.num_free_blocks -= 1
+        block_hash = block.block_hash
+        if block_hash is not None:  # lazy eviction happens here, on reuse
+            del self.cached_blocks[block_hash]
+            block.block_hash = None
+            self._num_free_cached -= 1
+        block.ref_cnt = 1
+        return block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a holder to each block; a free (cached) block leaves the free queue."""
+        queue = self.free_block_queue
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                # `queue.remove(block)`, inlined: hits are taken out of the middle.
+                prev, nxt = block.prev_free, block.next_free
+                if prev is None or nxt is None:
+                    raise ValueError(f"{block} is not in the free queue")
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                queue.num_free_blocks -= 1
                 if block.block_hash is not None:
                     self._num_free_cached -= 1
             block.ref_cnt += 1
@@ -189,16 +234,32 @@ class BlockPool:
         content go to the front: reusing them first keeps cached content alive longer.
         """
         queue = self.free_block_queue
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is not None:
-                    queue.append(block)
-                    self._num_free_cached += 1
-                else:
-                    queue.appendleft(block)
-            elif block.ref_cnt < 0:
-                raise ValueError(f"{block} freed more often than it was allocated")
+        head, tail = queue._head, queue._tail
+        num_freed = num_freed_cached = 0
+        try:
+            for block in ordered_blocks:
+                ref_cnt = block.ref_cnt - 1
+                block.ref_cnt = ref_cnt
+                if ref_cnt == 0:
+                    num_freed += 1
+                    if block.block_hash is not None:  # `queue.append(block)`, inlined
+                        last = tail.prev_free
+                        block.prev_free = last
+                        block.next_free = tail
+                        last.next_free = block
+                        tail.prev_free = block
+                        num_freed_cached += 1
+                    else:  # `queue.appendleft(block)`, inlined
+                        first = head.next_free
+                        block.prev_free = head
+                        block.next_free = first
+                        first.prev_free = block
+                        head.next_free = block
+                elif ref_cnt < 0:
+                    raise ValueError(f"{block} freed more often than it was allocated")
+        finally:  # keep the counts true to the links even if a bad free raised midway
+            queue.num_free_blocks += num_freed
+            self._num_free_cached += num_freed_cached
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Index a full, in-use block under its key; False if another block has that key.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 BlockHash = bytes
@@ -97,6 +97,26 @@ def hash_block_tokens(
     parent = ROOT_HASH if parent_hash is None else parent_hash
     packed = _token_struct(len(token_ids)).pack(len(token_ids), *token_ids)
     return hashlib.sha256(parent + packed + extra_keys).digest()
+
+
+def make_block_hasher(block_size: int) -> Callable[[BlockHash, Sequence[int], bytes], BlockHash]:
+    """`hash_block_tokens` specialised to full blocks of `block_size` tokens (same keys).
+
+    One precompiled struct packs parent, length prefix and token ids in one call: the
+    per-block cost of decoding. The parent must be a key, i.e. a 32-byte digest (`ROOT_HASH`
+    for the first block): the "32s" field would pad or cut anything else.
+    """
+    pack = struct.Struct(f"<32sI{block_size}q").pack
+    sha256 = hashlib.sha256
+
+    def hash_full_block(
+        parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
+    ) -> BlockHash:
+        if extra_keys:
+            return sha256(pack(parent_hash, block_size, *token_ids) + extra_keys).digest()
+        return sha256(pack(parent_hash, block_size, *token_ids)).digest()
+
+    return hash_full_block
 
 
 def extend_block_hashes(

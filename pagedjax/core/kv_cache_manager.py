@@ -33,7 +33,13 @@ from pagedjax.core.errors import (
     PrefixCacheInUseError,
     UnknownRequestError,
 )
-from pagedjax.core.hashing import BlockHash, extend_block_hashes, request_extra_keys
+from pagedjax.core.hashing import (
+    ROOT_HASH,
+    BlockHash,
+    extend_block_hashes,
+    make_block_hasher,
+    request_extra_keys,
+)
 from pagedjax.core.memory import KVCacheSpec, MemoryLedger
 from pagedjax.core.request import KVCacheRequest
 
@@ -90,6 +96,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._hash_full_block = make_block_hasher(block_size)
 
     # ----------------------------------------------------------------- admission
 
@@ -154,18 +161,53 @@ class KVCacheManager:
         a private copy: the block table changes at that index and a (src, dst) copy is
         queued for `pop_block_copies()`.
         """
-        state = self._requests.get(request.request_id)
-        if (
-            state is not None
-            and new_computed_blocks is None
-            and not (num_new_computed_tokens or num_lookahead_tokens)
-            and num_new_tokens >= 0
-        ):
-            num_scheduled_end = request.num_computed_tokens + num_new_tokens
-            if num_scheduled_end <= state.fast_path_end and num_scheduled_end <= len(
-                request.all_token_ids
-            ):
-                return []  # most decode steps: the token fits in a private, unfilled block
+        if new_computed_blocks is None and not (num_new_computed_tokens or num_lookahead_tokens):
+            try:  # a dict subscript under a zero-cost try: cheaper than .get() in 3.11
+                state = self._requests[request.request_id]
+            except KeyError:
+                state = None
+            else:
+                num_scheduled_end = request.num_computed_tokens + num_new_tokens
+                if (
+                    num_scheduled_end <= state.fast_path_end
+                    and num_new_tokens >= 0
+                    and num_scheduled_end <= len(request.all_token_ids)
+                ):
+                    return []  # most decode steps: the token fits in a private, unfilled block
+                if num_new_tokens == 1 and num_scheduled_end <= len(request.all_token_ids):
+                    # The two per-block events of decoding, without the general machinery
+                    # below (same effects and result): the token needs exactly one new
+                    # block, or it fills the last held block, which then gets cached. Any
+                    # other case (copy-on-write, blocks left to cache, reserved lookahead
+                    # blocks, block_size 1) falls through, nothing changed, to the general path.
+                    block_size = self.block_size
+                    blocks = state.blocks
+                    num_blocks = len(blocks)
+                    num_cached = state.num_cached_blocks
+                    if num_scheduled_end == num_blocks * block_size + 1:
+                        if num_cached == num_blocks and block_size > 1:  # nothing to cache
+                            block = self.block_pool.get_new_block()
+                            if block is None:
+                                return None
+                            blocks.append(block)
+                            state.block_ids.append(block.block_id)
+                            # Up to one token short of filling the new (private) block.
+                            state.fast_path_end = num_scheduled_end + block_size - 2
+                            return [block]
+                    elif (
+                        num_scheduled_end == (num_cached + 1) * block_size
+                        and num_cached < num_blocks
+                        and blocks[num_cached].ref_cnt == 1  # private: no copy-on-write
+                    ):
+                        if self.enable_caching:
+                            self._cache_next_full_block(request, state, num_scheduled_end)
+                        state.num_cached_blocks = num_cached + 1
+                        num_slots = num_blocks * block_size
+                        next_end = num_scheduled_end + block_size - 1
+                        state.fast_path_end = next_end if next_end < num_slots else num_slots
+                        return []
+        else:
+            state = self._requests.get(request.request_id)
         if state is None:
             raise UnknownRequestError(
                 f"request {request.request_id!r} is unknown to the KV cache manager; call "
@@ -234,10 +276,8 @@ class KVCacheManager:
                 tail = new_blocks[:-1]
             else:
                 tail = new_blocks
-            block_ids = state.block_ids
-            for block in tail:
-                blocks.append(block)
-                block_ids.append(block.block_id)
+            blocks.extend(tail)
+            state.block_ids.extend([block.block_id for block in tail])
         else:
             new_blocks = []
 
@@ -261,6 +301,35 @@ class KVCacheManager:
             state.fast_path_end = min(len(blocks) * block_size, (num_cached + 1) * block_size - 1)
         return new_blocks
 
+    def _cache_next_full_block(
+        self, request: KVCacheRequest, state: _RequestBlocks, num_scheduled_end: int
+    ) -> None:
+        """Cache block `state.num_cached_blocks`, which the tokens up to
+        `num_scheduled_end` fill (the effect of `allocate_slots` for that one block)."""
+        block_size = self.block_size
+        index = state.num_cached_blocks
+        block_hashes = state.block_hashes
+        num_hashes = len(block_hashes)
+        if num_hashes == index:  # the usual case: hash just this block
+            block_hash = self._hash_full_block(
+                block_hashes[-1] if num_hashes else ROOT_HASH,
+                request.all_token_ids[num_scheduled_end - block_size : num_scheduled_end],
+                state.extra_keys,
+            )
+            block_hashes.append(block_hash)
+        else:
+            if num_hashes < index:
+                extend_block_hashes(
+                    block_hashes, request.all_token_ids, block_size, state.extra_keys, index + 1
+                )
+            block_hash = block_hashes[index]
+        block = state.blocks[index]
+        if block.block_hash is None:
+            cached_blocks = self.block_pool.cached_blocks
+            if block_hash not in cached_blocks:
+                block.block_hash = block_hash
+                cached_blocks[block_hash] = block
+
     def _check_prefix_hit(
         self,
         request: KVCacheRequest,
@@ -278,12 +347,20 @@ class KVCacheManager:
                 f"num_new_computed_tokens={num_new_computed_tokens} but {len(hits)} hit blocks "
                 f"hold {len(hits) * self.block_size} tokens; pass both from get_computed_blocks"
             )
-        for index, block in enumerate(hits):
-            if index >= len(state.block_hashes) or block.block_hash != state.block_hashes[index]:
-                raise InvalidAllocationError(
-                    f"prefix hit {block} for request {request.request_id!r} is stale (evicted "
-                    "since the lookup); call allocate_slots right after get_computed_blocks"
-                )
+        block_hashes = state.block_hashes
+        if (
+            len(hits) > len(block_hashes)
+            or [block.block_hash for block in hits] != block_hashes[: len(hits)]
+        ):
+            block = next(
+                block
+                for index, block in enumerate(hits)
+                if index >= len(block_hashes) or block.block_hash != block_hashes[index]
+            )
+            raise InvalidAllocationError(
+                f"prefix hit {block} for request {request.request_id!r} is stale (evicted "
+                "since the lookup); call allocate_slots right after get_computed_blocks"
+            )
 
     # -------------------------------------------------------------- fork and free
 

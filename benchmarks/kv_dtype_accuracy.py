@@ -1,0 +1,125 @@
+"""Accuracy of low-precision KV pools on the default model, against a float32 pool.
+
+Teacher-forced: each prompt plus its float32 greedy continuation runs through the paged forward
+with each KV dtype (weights and activations stay float32); we compare every position's logits
+with the float32 pool's (max and mean absolute error, top-1 agreement) and the free-running
+greedy tokens (how many of the first N match).
+
+    python benchmarks/kv_dtype_accuracy.py [--prompts 8] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is.",
+    "Why is the sky blue?",
+    "Give three tips for learning a language.",
+    "Describe how a bicycle works.",
+    "What is photosynthesis?",
+    "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas.kv_cache import allocate_kv_cache
+    from kernels_pallas.metadata import build_metadata, token_positions
+    from models.llama import forward_logits_jit
+    from models.loader import load_model, load_tokenizer
+    from pagedjax.config import EngineConfig
+    from pagedjax.engine import LLMEngine
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    config, params = load_model(None)
+    tokenizer = load_tokenizer(None)
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for p in PROMPTS[: args.prompts]
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+
+    def generate(kv_cache_dtype: str) -> list[list[int]]:
+        llm = LLM.__new__(LLM)  # reuse the loaded weights: build the engine directly
+        llm.llm_engine = LLMEngine(
+            EngineConfig(max_model_len=512, num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype),
+            config,
+            params,
+            tokenizer,
+        )
+        llm._counter = 0
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    reference_tokens = generate("float32")
+    sequences = [p + t for p, t in zip(prompts, reference_tokens, strict=True)]
+
+    def teacher_forced_logits(dtype) -> list[np.ndarray]:
+        out = []
+        for seq in sequences:
+            n = len(seq)
+            blocks = -(-n // 16)
+            cache = allocate_kv_cache(
+                config.num_layers, config.num_kv_heads, blocks + 1, 16, config.head_dim, dtype
+            )
+            meta = build_metadata([n], [n], [list(range(1, blocks + 1))], 16)
+            logits, _ = forward_logits_jit(
+                params,
+                config,
+                np.asarray(seq, np.int32),
+                token_positions([n], [n], n),
+                cache,
+                meta,
+                np.arange(n, dtype=np.int32),
+            )
+            out.append(np.asarray(logits))
+        return out
+
+    reference_logits = teacher_forced_logits(jnp.float32)
+    result = {"prompts": len(prompts), "tokens_per_prompt": args.tokens}
+    for name, dtype in (("bfloat16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+        logits = teacher_forced_logits(dtype)
+        errors = [np.abs(a - b) for a, b in zip(logits, reference_logits, strict=True)]
+        top1 = np.mean(
+            np.concatenate(
+                [
+                    a.argmax(-1) == b.argmax(-1)
+                    for a, b in zip(logits, reference_logits, strict=True)
+                ]
+            )
+        )
+        tokens = generate(name)
+        matching = [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            for a, b in zip(tokens, reference_tokens, strict=True)
+        ]
+        result[f"{name}_max_abs_logit_error"] = float(max(e.max() for e in errors))
+        result[f"{name}_mean_abs_logit_error"] = float(np.mean([e.mean() for e in errors]))
+        result[f"{name}_top1_agreement"] = float(top1)
+        result[f"{name}_greedy_tokens_before_divergence_mean"] = float(np.mean(matching))
+        result[f"{name}_sequences_identical"] = sum(m == args.tokens for m in matching)
+    report("kv_dtype_accuracy", result)
+
+
+if __name__ == "__main__":
+    main()

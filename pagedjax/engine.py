@@ -47,7 +47,13 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.status.finished for s in self.seqs)
+        # Before its first token the parent has no siblings yet; it can only end then by
+        # an error or an abort, which ends the whole group.
+        complete = len(self.seqs) == self.params.n or self.seqs[0].status in (
+            RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_ABORTED,
+        )
+        return complete and all(s.status.finished for s in self.seqs)
 
 
 def _attention_fn(backend: str):
@@ -302,7 +308,11 @@ class LLMEngine:
                 rows.append(self._sample_row(index, target))
                 row_seqs.append(target)
 
-        result = self.runner.execute(seqs, rows, out.block_copies)
+        try:
+            result = self.runner.execute(seqs, rows, out.block_copies)
+        except Exception:
+            logger.exception("step failed; its %d requests finish with an error", len(seqs))
+            return self._fail_step(out, forks)
         now = time.monotonic()
         self.num_steps += 1
         for seq, num_new in out.scheduled:
@@ -324,6 +334,30 @@ class LLMEngine:
                 del self._groups[output.request_id]
         return outputs
 
+    def _fail_step(self, out, forks) -> list[RequestOutput]:
+        """Finishes the step's requests with an error and frees their blocks; the engine goes on.
+
+        If the failure consumed the donated pool, every other running request lost its KV too:
+        it is preempted (recomputed later) and the prefix cache, whose blocks are gone, reset.
+        """
+        now = time.monotonic()
+        failed = [seq for seq, _ in out.scheduled] + [child for _, child in forks]
+        for seq in failed:
+            seq.finish_time = now
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+        if self.runner.kv_cache_lost():
+            self.runner.reset_kv_cache()
+            self.scheduler.preempt_all()
+            self.kv.reset_prefix_cache()
+        groups = {self._group_id(seq): self._groups[self._group_id(seq)] for seq in failed}
+        for group in groups.values():  # siblings not in this step fail with their request
+            for seq in group.seqs:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+        outputs = [self._make_output(group) for group in groups.values()]
+        for output in outputs:
+            del self._groups[output.request_id]
+        return outputs
+
     @staticmethod
     def _group_id(seq: EngineRequest) -> str:
         return seq.parent_id if seq.parent_id is not None else seq.request_id
@@ -343,6 +377,11 @@ class LLMEngine:
         )
 
     def _append_token(self, seq: EngineRequest, row: int, result, now: float) -> None:
+        if not result.finite[row]:
+            logger.error("request %s: NaN/inf logits; it finishes with an error", seq.request_id)
+            seq.finish_time = now
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+            return
         token = int(result.token_ids[row])
         seq.append_token_ids(token)
         self.num_generated_tokens += 1

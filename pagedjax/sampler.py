@@ -46,6 +46,7 @@ class SamplerOutput:
     logprobs: jax.Array  # [S] f32, raw logprob of each sampled token
     top_token_ids: jax.Array  # [S, num_logprobs] i32
     top_logprobs: jax.Array  # [S, num_logprobs] f32
+    finite: jax.Array  # [S] bool: False when a row's logits hold NaN or inf (its token is junk)
 
 
 def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -106,6 +107,7 @@ def sample(
 ) -> SamplerOutput:
     """Samples one token per row. The static flags let an all-greedy, penalty-free batch skip
     the [S, V] sort, scatters and noise."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if use_penalties:
         logits = apply_penalties(logits, meta)
@@ -119,7 +121,7 @@ def sample(
 
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, finite)
 
 
 def _draw_rows(

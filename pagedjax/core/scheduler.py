@@ -156,6 +156,13 @@ class Scheduler:
         out.block_copies = self.kv.pop_block_copies()
         return out
 
+    def preempt_all(self) -> list[EngineRequest]:
+        """Preempts every running request (e.g. after the device pool was lost)."""
+        out = SchedulerOutput()
+        while self.running:
+            self._preempt(out)
+        return out.preempted
+
     def finish(self, request: EngineRequest, status: RequestStatus) -> None:
         """Removes a request wherever it is and frees its blocks, exactly once."""
         if request.status.finished:

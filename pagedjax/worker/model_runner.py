@@ -107,6 +107,7 @@ class SampleRow:
 @dataclass
 class StepResult:
     token_ids: np.ndarray  # [rows]
+    finite: np.ndarray  # [rows] bool: False when the row's logits were NaN/inf
     logprobs: np.ndarray | None  # [rows], raw logprob of each sampled token
     top_token_ids: np.ndarray | None  # [rows, num_logprobs]
     top_logprobs: np.ndarray | None  # [rows, num_logprobs]
@@ -244,7 +245,7 @@ class ModelRunner:
             self.params, tokens, positions, self.kv_cache, metadata, logits_rows, copies
         )
         if not rows:
-            return StepResult(np.zeros(0, np.int32), None, None, None)
+            return StepResult(np.zeros(0, np.int32), np.zeros(0, bool), None, None, None)
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -265,14 +266,31 @@ class ModelRunner:
         )
         n = len(rows)
         token_ids = np.asarray(out.token_ids)[:n]
+        finite = np.asarray(out.finite)[:n]
         if not any(p.logprobs is not None for p in params):
-            return StepResult(token_ids, None, None, None)
+            return StepResult(token_ids, finite, None, None, None)
         return StepResult(
             token_ids,
+            finite,
             np.asarray(out.logprobs)[:n],
             np.asarray(out.top_token_ids)[:n],
             np.asarray(out.top_logprobs)[:n],
         )
+
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed pool, when a failed step left the donated one unusable."""
+        cache = self.kv_cache
+        self.kv_cache = allocate_kv_cache(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            cache.k.shape[2],
+            self.block_size,
+            self.config.head_dim,
+            cache.k.dtype,
+        )
+
+    def kv_cache_lost(self) -> bool:
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
     def warmup(self) -> float:
         """Compiles the forward for every token and width bucket, and the greedy sampler for

@@ -1,0 +1,95 @@
+"""Faults inside a step: a failing model runner and NaN logits fail only the requests they
+touch; blocks are freed and the engine keeps serving."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pagedjax.sampling_params import SamplingParams
+from tests.test_engine import GREEDY, make_engine, make_prompts, run, tokens_of
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model_dir):
+    from models.loader import load_model
+
+    path, hf_model = tiny_model_dir("llama")
+    config, params = load_model(path)
+    return lambda name: (path, hf_model, config, params)
+
+
+def drain(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize("donated_pool_lost", [False, True])
+def test_a_failing_step_fails_only_its_requests(tiny_loaded, donated_pool_lost):
+    engine = make_engine(tiny_loaded, max_num_batched_tokens=16)
+    prompts = make_prompts(3, seed=20, lo=5, hi=12)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    expected = tokens_of(run(make_engine(tiny_loaded), prompts, params))
+
+    real_execute = engine.runner.execute
+
+    def failing_execute(*args, **kwargs):
+        if donated_pool_lost:
+            for leaf in (engine.runner.kv_cache.k, engine.runner.kv_cache.v):
+                leaf.delete()  # what a failure inside the donating jitted call leaves behind
+        raise RuntimeError("injected device failure")
+
+    engine.add_request("a", prompts[0], params)
+    engine.step()
+    engine.runner.execute = failing_execute
+    outputs = engine.step()
+    engine.runner.execute = real_execute
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "error")]
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"later{i}", prompt, params)
+    done = drain(engine)
+    assert [done[f"later{i}"].outputs[0].token_ids for i in range(3)] == expected
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_nan_logits_finish_that_request_with_an_error(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    real_forward = engine.runner._forward
+
+    def forward_with_nan_row(*args):
+        logits, cache = real_forward(*args)
+        return logits.at[0].set(jnp.nan), cache  # the first sampled row of every step
+
+    engine.runner._forward = forward_with_nan_row
+    prompts = make_prompts(2, seed=21)
+    engine.add_request("poisoned", prompts[0], SamplingParams(max_tokens=4, **GREEDY))
+    done = drain(engine)
+    engine.runner._forward = real_forward
+    engine.add_request("healthy", prompts[1], SamplingParams(max_tokens=4, **GREEDY))
+    done.update(drain(engine))
+    poisoned = done["poisoned"].outputs[0]
+    assert poisoned.finish_reason == "error" and poisoned.token_ids == []
+    assert len(done["healthy"].outputs[0].token_ids) == 4
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_parallel_sampling_group_fails_as_a_whole(tiny_loaded):
+    engine = make_engine(tiny_loaded, max_num_batched_tokens=8)
+    engine.add_request("g", make_prompts(1, seed=22, lo=20, hi=21)[0], SamplingParams(n=3))
+    engine.step()  # a first prefill chunk: no siblings yet
+
+    def failing_execute(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    real_execute, engine.runner.execute = engine.runner.execute, failing_execute
+    outputs = engine.step()
+    engine.runner.execute = real_execute
+    assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.block_pool.num_used_blocks == 0

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,22 @@ def activation_bytes(
         params, config, ints, ints, cache, metadata, rows, attention_fn
     ).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+# One jitted step for all runners: engines over the same model and shapes share compilations.
+_forward_traces = [0]
+
+
+@partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("kv_cache",))
+def _forward_step(
+    params, token_ids, positions, kv_cache, metadata, rows, copies, config, attention_fn
+):
+    _forward_traces[0] += 1  # a Python side effect runs once per trace, i.e. per compilation
+    if copies.shape[0]:
+        kv_cache = copy_blocks(kv_cache, copies)
+    return forward_logits(
+        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn
+    )
 
 
 @dataclass
@@ -151,16 +168,23 @@ class ModelRunner:
         self._tables = np.full((max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
-        self.num_compilations = 0
-        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv_cache",))
+        self.num_compilations = 0  # traces this runner triggered (the jit cache is shared)
 
-    def _forward_impl(self, params, token_ids, positions, kv_cache, metadata, rows, copies):
-        self.num_compilations += 1  # Python side effect: runs once per trace, i.e. per compile
-        if copies.shape[0]:
-            kv_cache = copy_blocks(kv_cache, copies)
-        return forward_logits(
-            params, self.config, token_ids, positions, kv_cache, metadata, rows, self.attention_fn
+    def _forward(self, params, token_ids, positions, kv_cache, metadata, rows, copies):
+        traces = _forward_traces[0]
+        out = _forward_step(
+            params,
+            token_ids,
+            positions,
+            kv_cache,
+            metadata,
+            rows,
+            copies,
+            config=self.config,
+            attention_fn=self.attention_fn,
         )
+        self.num_compilations += _forward_traces[0] - traces
+        return out
 
     def _bucket_tokens(self, num_tokens: int) -> int:
         for bucket in self.token_buckets:

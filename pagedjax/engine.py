@@ -20,6 +20,7 @@ from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.model_runner import (
@@ -194,7 +195,9 @@ class LLMEngine:
         """Validates everything first; raises ValueError (and changes nothing) on bad input."""
         params = params or SamplingParams()
         if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use; pick a new one")
+            raise DuplicateRequestIdError(
+                f"request id {request_id!r} is already in use; pick a new one"
+            )
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -219,16 +222,16 @@ class LLMEngine:
             ids, text = list(prompt), None
             bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
             if bad:
-                raise ValueError(f"prompt token ids must be ints, got {bad[:5]!r}")
+                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
             vocab = self.model_config.vocab_size
             out_of_range = [t for t in ids if not 0 <= t < vocab]
             if out_of_range:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"prompt token ids {out_of_range[:5]} are outside the vocabulary [0, {vocab})"
                 )
             ids = [int(t) for t in ids]
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token")
         return text, ids
 
     def _new_sequence(

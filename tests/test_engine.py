@@ -11,6 +11,7 @@ import torch
 from models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
+from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
 from pagedjax.sampling_params import SamplingParams
 from tests.conftest import build_tiny_tokenizer
 
@@ -247,14 +248,18 @@ def test_logprobs(tiny):
 def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
     engine = make_engine(tiny)
     engine.add_request("ok", make_prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY))
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("long", [5] * 120, SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request("empty", [], SamplingParams())
-    with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("vocab", [5, 1000], SamplingParams())
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("ok", [5], SamplingParams())
+    cases = [
+        ("long", [5] * 130, SamplingParams(max_tokens=1), RequestTooLongError, "max_model_len"),
+        ("sum", [5] * 120, SamplingParams(max_tokens=20), RequestTooLongError, "max_tokens"),
+        ("empty", [], SamplingParams(), InvalidRequestError, "empty"),
+        ("vocab", [5, 1000], SamplingParams(), InvalidRequestError, "vocabulary"),
+        ("negative", [5, -1], SamplingParams(), InvalidRequestError, "vocabulary"),
+        ("float", [5, 2.5], SamplingParams(), InvalidRequestError, "ints"),
+        ("ok", [5], SamplingParams(), DuplicateRequestIdError, "already in use"),
+    ]
+    for request_id, prompt, params, error, message in cases:
+        with pytest.raises(error, match=message):
+            engine.add_request(request_id, prompt, params)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]

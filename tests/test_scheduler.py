@@ -6,7 +6,8 @@ import pytest
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.scheduler import RequestTooLongError, Scheduler
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.errors import RequestTooLongError
 from pagedjax.sampling_params import SamplingParams
 
 

@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
-
-
-class RequestTooLongError(ValueError):
-    """The request can never be scheduled: it exceeds max_model_len or the whole KV pool."""
+from pagedjax.errors import RequestTooLongError
 
 
 @dataclass

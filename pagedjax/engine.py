@@ -202,7 +202,7 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_model_len - len(prompt_ids)
-        self.scheduler.check_fits(len(prompt_ids), max(max_tokens, 1))
+        self.scheduler.check_fits(len(prompt_ids), max(max_tokens, 1), params.n)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.errors import RequestTooLongError
+from pagedjax.errors import InvalidRequestError, RequestTooLongError
+
+
+def _sequence_slots(request: EngineRequest) -> int:
+    """Sequence slots a request holds: a parent that has not sampled yet reserves one for each
+    of the n - 1 siblings it will fork (see LLMEngine.step)."""
+    if request.sample_index == 0 and request.num_output_tokens == 0:
+        return request.params.n
+    return 1
 
 
 @dataclass
@@ -49,8 +57,13 @@ class Scheduler:
         self.running: list[EngineRequest] = []  # admission order
         self.num_preemptions = 0
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestTooLongError when such a request could never run."""
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raises when such a request could never run (so it would wait forever)."""
+        if n > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={n} parallel samples need {n} sequence slots but max_num_seqs is "
+                f"{self.max_num_seqs}: lower n or raise max_num_seqs"
+            )
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(
@@ -67,7 +80,7 @@ class Scheduler:
             )
 
     def add_request(self, request: EngineRequest) -> None:
-        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.check_fits(request.num_prompt_tokens, request.max_tokens, request.params.n)
         request.status = RequestStatus.WAITING
         self._enqueue(request)
 
@@ -128,11 +141,12 @@ class Scheduler:
                 index += 1
 
         # Then admissions, unless this step preempted (the pool is tight).
+        slots_used = sum(_sequence_slots(r) for r in self.running)
         while (
             not out.preempted
             and self.waiting
             and budget > 0
-            and len(self.running) + self.waiting[0].params.n <= self.max_num_seqs
+            and slots_used + _sequence_slots(self.waiting[0]) <= self.max_num_seqs
         ):
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -149,6 +163,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+            slots_used += _sequence_slots(request)
 
         out.block_copies = self.kv.pop_block_copies()
         return out

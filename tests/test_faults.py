@@ -93,3 +93,60 @@ def test_parallel_sampling_group_fails_as_a_whole(tiny_loaded):
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
     assert not engine.has_unfinished_requests()
     assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_oversubscribed_pool_completes_everything_exactly(tiny_loaded):
+    """Demand 4x the pool: all requests finish, greedy tokens equal an unconstrained run, and
+    preemptions stay bounded per request (progress, no livelock)."""
+    prompts = make_prompts(8, seed=23, lo=20, hi=30)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    expected = tokens_of(run(make_engine(tiny_loaded, num_kv_blocks=128), prompts, params))
+    demand_blocks = sum(-(-(len(p) + 16) // 8) for p in prompts)
+    engine = make_engine(
+        tiny_loaded, block_size=8, num_kv_blocks=1 + demand_blocks // 4, max_model_len=48
+    )
+    outputs = run(engine, prompts, params)
+    assert tokens_of(outputs) == expected
+    preemptions = engine.scheduler.num_preemptions
+    print(f"4x oversubscribed: {preemptions} preemptions for {len(prompts)} requests")
+    assert 0 < preemptions <= 4 * len(prompts)
+    assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_abort_in_every_state_frees_exactly_once(tiny_loaded):
+    engine = make_engine(
+        tiny_loaded, block_size=8, num_kv_blocks=7, max_model_len=48, max_num_batched_tokens=8
+    )
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    prompts = make_prompts(6, seed=24, lo=10, hi=12)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    states_seen = set()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        for seq in engine.scheduler.running + engine.scheduler.waiting:
+            if seq.status.value == "waiting" or seq.status.value == "preempted":
+                state = seq.status.value
+            elif seq.num_computed_tokens < seq.num_prompt_tokens:
+                state = "prefilling"
+            else:
+                state = "decoding"
+            if state not in states_seen:
+                states_seen.add(state)
+                used = engine.kv.block_pool.num_used_blocks
+                held = (
+                    len(engine.kv.get_block_ids(seq))
+                    if engine.kv.has_request(seq.request_id)
+                    else 0
+                )
+                engine.abort_request(seq.request_id)
+                engine.abort_request(seq.request_id)  # twice: the second does nothing
+                assert engine.kv.block_pool.num_used_blocks <= used
+                assert not engine.kv.has_request(seq.request_id) or held == 0
+                break
+    assert states_seen >= {"waiting", "prefilling", "decoding", "preempted"}, states_seen
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.block_pool.num_used_blocks == 0

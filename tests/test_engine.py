@@ -306,3 +306,19 @@ def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
     assert fp8.runner.kv_cache.k.dtype == jnp.float8_e4m3fn
     f32 = make_engine(tiny)
     assert fp8.kv.kv_spec.bytes_per_block(16) * 4 == f32.kv.kv_spec.bytes_per_block(16)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(block_size=12), "block_size"),
+        (dict(attention_backend="cuda"), "attention_backend"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(num_kv_blocks=1), "num_kv_blocks"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    ],
+)
+def test_invalid_engine_config_names_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)

@@ -1,0 +1,81 @@
+"""Soak: many short requests through one engine. Reports RSS at start and end (after a
+warm-up batch, so compilation is excluded), the growth, and blocks in use after the drain.
+Target: zero blocks in use, RSS growth under 5%.
+
+    python benchmarks/soak.py [--requests 10000] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=10000)
+    parser.add_argument("--batch", type=int, default=256, help="requests added per wave")
+    args = parser.parse_args()
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    llm = LLM(None, max_model_len=256, num_kv_blocks=1024, max_num_seqs=64)
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def wave(count: int, start: int) -> None:
+        for i in range(count):
+            prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(4, 24))]
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                max_tokens=rng.randint(1, 8),
+                seed=i,
+                stop=["\n"] if rng.random() < 0.3 else None,
+            )
+            engine.add_request(f"r{start + i}", prompt, params)
+            if rng.random() < 0.02:
+                engine.abort_request(f"r{start + i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    wave(args.batch, -args.batch)  # warm-up: compiles the shapes the waves use
+    start_rss, start = rss_mib(), time.perf_counter()
+    done = 0
+    while done < args.requests:
+        count = min(args.batch, args.requests - done)
+        wave(count, done)
+        done += count
+    end_rss = rss_mib()
+    report(
+        "soak",
+        {
+            "requests": args.requests,
+            "seconds": time.perf_counter() - start,
+            "rss_start_mib": start_rss,
+            "rss_end_mib": end_rss,
+            "rss_growth_pct": 100 * (end_rss - start_rss) / start_rss,
+            "blocks_in_use_after_drain": engine.kv.block_pool.num_used_blocks,
+            "compilations": engine.runner.num_compilations,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

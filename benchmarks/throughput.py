@@ -1,10 +1,19 @@
-"""Offline throughput of the engine on the default model, workload W1: 32 chat-templated prompts
-of 25-200 tokens (seeded), greedy, exactly 128 new tokens each (ignore_eos).
+"""Offline throughput of the engine on the default model, with transformers' static batching as
+the peer.
 
-    python benchmarks/throughput.py [--prompts 32] [--tokens 128] [--max-num-batched-tokens 512]
+W1: 32 chat-templated prompts of 25-200 tokens (seeded), greedy, exactly --tokens new tokens each.
+W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with ignore_eos, greedy;
+--requests takes the first N (default 8 so that it fits a 2-core machine).
 
-Prints output and total tokens/s, warmup time and compile count; writes JSON to results/.
-(The transformers peer and workload W2 come with the benchmark suite.)
+    python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
+        [--max-num-batched-tokens 512] [--max-num-seqs 32]
+        [--peer] [--peer-batches 1,8,32] [--peer-requests N]
+
+--peer runs transformers `generate` (torch CPU float32, 2 threads) on the same token ids in static
+batches (left padding, greedy, every batch runs to its longest request's max_tokens); a peer
+request counts only its own max_tokens as output. --peer-requests runs the peer on the first N
+requests only. Prints output and total tokens/s, warmup time and compile count; writes JSON to
+results/throughput.json (results/throughput_w2.json for W2).
 """
 
 from __future__ import annotations
@@ -16,75 +25,110 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-
-TOPICS = [
-    "the history of the printing press",
-    "how vaccines work",
-    "the rules of chess",
-    "why leaves change color",
-    "the water cycle",
-    "how a bicycle stays upright",
-    "the life of honeybees",
-    "how compilers work",
-    "the causes of tides",
-    "the invention of the telephone",
-    "how to bake bread",
-    "black holes",
-]
+from workloads import make_prompts, w2  # noqa: E402
 
 
-def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
-    """Chat prompts whose token counts are spread over 25-200 by repeating context sentences."""
-    import random
+def run_peer(prompts: list[list[int]], max_tokens: list[int], batches: list[int]) -> dict:
+    """transformers generate in static batches of each size; output tok/s per batch size."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        target = rng.randint(25, 200)
-        topic = rng.choice(TOPICS)
-        text = f"Explain {topic} to a curious student."
-        while True:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tokenizer.encode(ids, add_special_tokens=False)
-            if len(ids) >= target:
-                break
-            text += f" Please also mention something surprising about {rng.choice(TOPICS)}."
-        prompts.append(ids[-target:] if len(ids) > target else ids)
-    return prompts
+    from models.loader import resolve_model_path
+
+    torch.set_num_threads(2)
+    path = resolve_model_path(None).path
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    result = {"peer_load_s": time.perf_counter() - start}
+    pad = 2  # SmolLM2's <|im_end|>; masked by the attention mask
+    with torch.no_grad():  # warm up the first-call paths
+        model.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=pad
+        )
+    best = 0.0
+    for batch in batches:
+        useful, start = 0, time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            chunk, budgets = prompts[i : i + batch], max_tokens[i : i + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            new = max(budgets)
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+            useful += sum(budgets)
+        tok_s = useful / (time.perf_counter() - start)
+        result[f"peer_batch_{batch}_output_tokens_per_s"] = tok_s
+        best = max(best, tok_s)
+    result["peer_best_output_tokens_per_s"] = best
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--workload", choices=["W1", "W2"], default="W1")
+    parser.add_argument(
+        "--requests",
+        "--prompts",
+        type=int,
+        default=None,
+        help="requests to run (default: 32 for W1, 8 of the 256 for W2)",
+    )
+    parser.add_argument("--tokens", type=int, default=128, help="W1: new tokens per request")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--peer", action="store_true", help="also run transformers generate")
+    parser.add_argument("--peer-batches", default="1,8,32", help="static batch sizes of the peer")
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="run the peer on the first N requests only (default: all)",
+    )
     args = parser.parse_args()
 
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
+    w1 = args.workload == "W1"
+    count = args.requests or (32 if w1 else 8)
+    max_model_len = 512 if w1 else 1024
+    longest = 200 + args.tokens if w1 else 1024  # prompt + output tokens of one request
     llm = LLM(
         None,
-        max_model_len=512,
+        max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + max(args.prompts * (-(-(200 + args.tokens) // 16)), 512 // 16),
+        num_kv_blocks=1 + max(count * -(-longest // 16), max_model_len // 16),
     )
+    if w1:
+        prompts = make_prompts(llm.get_tokenizer(), count)
+        max_tokens = [args.tokens] * count
+        label = f"W1: {count} prompts x {args.tokens} tokens, greedy"
+    else:
+        prompts, max_tokens = w2(llm.get_tokenizer(), 256)
+        prompts, max_tokens = prompts[:count], max_tokens[:count]
+        label = f"W2: {count} of 256 requests, prompts 32-512, outputs 16-512, greedy"
     engine = llm.llm_engine
     warmup_s = engine.runner.warmup()
     compiled = engine.runner.num_compilations
-    prompts = make_prompts(llm.get_tokenizer(), args.prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
     result = {
-        "workload": f"W1: {args.prompts} prompts x {args.tokens} tokens, greedy",
+        "workload": label,
         "prompt_tokens": prompt_tokens,
         "output_tokens": generated,
         "seconds": elapsed,
@@ -94,8 +138,17 @@ def main() -> None:
         "compilations_in_warmup": compiled,
         "compilations_after_warmup": engine.runner.num_compilations - compiled,
         "steps": engine.num_steps,
+        "preemptions": engine.scheduler.num_preemptions,
     }
-    report("throughput", result)
+    if args.peer:
+        n = args.peer_requests or count
+        batches = [int(b) for b in args.peer_batches.split(",")]
+        result["peer_requests"] = n
+        result.update(run_peer(prompts[:n], max_tokens[:n], batches))
+        result["engine_vs_best_peer"] = (
+            result["output_tokens_per_s"] / result["peer_best_output_tokens_per_s"]
+        )
+    report("throughput" if w1 else "throughput_w2", result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Cold start: wall seconds from process start to exit of `pagedjax generate PROMPT --max-tokens 1`
+(load, compile, one token), without JAX's persistent compilation cache, then twice with it
+enabled through environment variables (the first run fills an empty cache directory, the second
+reads it).
+
+    python benchmarks/cold_start.py [--prompt "..."] [--repeats 1]
+
+Writes results/cold_start.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from report import report  # (benchmarks/ is the script directory)
+
+
+def command(prompt: str) -> list[str]:
+    cli = shutil.which("pagedjax")
+    base = [cli] if cli else [sys.executable, "-m", "pagedjax.cli"]
+    return [*base, "generate", prompt, "--max-tokens", "1"]
+
+
+def timed(cmd: list[str], env: dict) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompt", default="Why is the sky blue?")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each kind; the min counts")
+    args = parser.parse_args()
+
+    cmd = command(args.prompt)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+    result = {"command": shlex.join(cmd)}
+    result["no_cache_s"] = min(timed(cmd, env) for _ in range(args.repeats))
+    first, second = [], []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache:
+            cached_env = {
+                **env,
+                "JAX_COMPILATION_CACHE_DIR": cache,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            }
+            first.append(timed(cmd, cached_env))
+            entries = len(os.listdir(cache))
+            second.append(timed(cmd, cached_env))
+    result["cache_first_run_s (fills it)"] = min(first)
+    result["cache_entries_written"] = entries
+    result["cache_second_run_s"] = min(second)
+    result["second_vs_no_cache"] = result["no_cache_s"] / result["cache_second_run_s"]
+    report("cold_start", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -420,11 +420,8 @@ class LLMEngine:
     ) -> RequestStatus | None:
         if seq.num_output_tokens >= seq.params.min_tokens:
             if token in seq.stop_token_ids:
-                seq.stop_reason = (
-                    None
-                    if token in self.eos_token_ids and (token not in seq.params.stop_token_ids)
-                    else token
-                )
+                # vLLM reports the id of a user stop token, and None for plain EOS.
+                seq.stop_reason = token if token in seq.params.stop_token_ids else None
                 return RequestStatus.FINISHED_STOPPED
             if stop_string is not None:
                 seq.stop_reason = stop_string

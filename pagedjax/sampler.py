@@ -171,8 +171,9 @@ def build_sampling_metadata(
         r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         for p, r in zip(params, uses_repetition, strict=True)
     ]
+    extra_bias = extra_bias or [{}] * real
     biases = [
-        {**(p.logit_bias or {}), **((extra_bias or [{}] * real)[i])} for i, p in enumerate(params)
+        {**(p.logit_bias or {}), **extra} for p, extra in zip(params, extra_bias, strict=True)
     ]
     return SamplingMetadata(
         temperature=column([0.0 if p.greedy else p.temperature for p in params], np.float32, 0),

@@ -64,10 +64,6 @@ class EngineRequest(Request):
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
-    @property
     def sort_key(self) -> tuple[int, float]:
         """Scheduling order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time)

@@ -33,10 +33,6 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW, before the step
     preempted: list[EngineRequest] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(

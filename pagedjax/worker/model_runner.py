@@ -243,6 +243,8 @@ class ModelRunner:
         )
         if block_copies:
             copies[: len(block_copies)] = block_copies
+        # Copies, not views: dispatch is asynchronous and may read host memory after we
+        # return, while the next step refills these buffers.
         metadata = AttentionMetadata(
             slot_mapping=slots.copy(),
             block_tables=tables.copy(),

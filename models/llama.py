@@ -18,6 +18,11 @@ Params are a pytree of arrays with the layers stacked on a leading axis:
 
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
+
+`split_layer_weights` turns the four matmul weights into tuples of per-layer arrays, for XLA:CPU:
+there, slicing layer i out of a stacked weight inside the scan is a copy, which at batch 1 costs
+more than the matmul itself (it doubled the decode step of the default model). A tuple is read
+in place through a `lax.switch` on the layer index, one matmul per branch.
 """
 
 from __future__ import annotations
@@ -34,6 +39,24 @@ from models.config import ModelConfig
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
+
+
+MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def split_layer_weights(params: Params) -> Params:
+    """Params with each stacked matmul weight [L, ...] replaced by a tuple of L arrays."""
+    layers = dict(params["layers"])
+    for name in MATMUL_WEIGHTS:
+        layers[name] = tuple(layers[name])
+    return {**params, "layers": layers}
+
+
+def layer_matmul(x: jax.Array, weight: jax.Array | tuple, layer: jax.Array) -> jax.Array:
+    """x @ weight[layer], for a stacked weight or a tuple of per-layer weights."""
+    if isinstance(weight, tuple):
+        return jax.lax.switch(layer, [lambda x, w=w: x @ w for w in weight], x)
+    return x @ weight[layer]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,6 +84,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def _attention_block(
     config: ModelConfig,
     layer_params: Params,
+    weights: Params,
     x: jax.Array,  # [T, H]
     cos: jax.Array,
     sin: jax.Array,
@@ -72,7 +96,7 @@ def _attention_block(
 ) -> tuple[jax.Array, KVCache]:
     num_tokens = x.shape[0]
     h = rms_norm(x, layer_params["attn_norm"], config.rms_norm_eps)
-    qkv = h @ layer_params["wqkv"]
+    qkv = layer_matmul(h, weights["wqkv"], layer)
     if config.attention_bias:
         qkv = qkv + layer_params["bqkv"]
     q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
@@ -93,13 +117,15 @@ def _attention_block(
         scale=config.attention_scale,
         sliding_window=sliding_window if any(config.sliding_windows) else None,
     )
-    return x + out.reshape(num_tokens, config.q_size) @ layer_params["wo"], cache
+    return x + layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer), cache
 
 
-def _mlp_block(config: ModelConfig, layer_params: Params, x: jax.Array) -> jax.Array:
+def _mlp_block(
+    config: ModelConfig, layer_params: Params, weights: Params, x: jax.Array, layer: jax.Array
+) -> jax.Array:
     h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
-    gate, up = jnp.split(h @ layer_params["w_gate_up"], 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ layer_params["w_down"]
+    gate, up = jnp.split(layer_matmul(h, weights["w_gate_up"], layer), 2, axis=-1)
+    return x + layer_matmul(jax.nn.silu(gate) * up, weights["w_down"], layer)
 
 
 def forward(
@@ -115,20 +141,31 @@ def forward(
     and the pool with this step's K/V written into it."""
     x = params["embed"][token_ids]
     cos, sin = rope_cos_sin(config, positions)
+    # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
+    weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
+    scanned = {k: v for k, v in params["layers"].items() if k not in MATMUL_WEIGHTS}
 
     def layer_step(carry, per_layer):
         x, cache = carry
         layer_params, layer, window = per_layer
         x, cache = _attention_block(
-            config, layer_params, x, cos, sin, cache, layer, window, metadata, attention_fn
+            config,
+            layer_params,
+            weights,
+            x,
+            cos,
+            sin,
+            cache,
+            layer,
+            window,
+            metadata,
+            attention_fn,
         )
-        return (_mlp_block(config, layer_params, x), cache), None
+        return (_mlp_block(config, layer_params, weights, x, layer), cache), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(
-        layer_step, (x, kv_cache), (params["layers"], layer_ids, windows)
-    )
+    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (scanned, layer_ids, windows))
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), kv_cache
 
 

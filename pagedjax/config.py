@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas")
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8")
 
 
@@ -23,6 +23,8 @@ class EngineConfig:
     max_num_seqs: int = 128  # running requests at once
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
+    # "auto": Pallas kernels on a GPU, "xla" (work-list loops) elsewhere; "reference": the
+    # per-token oracle; "pallas" on the CPU runs the kernels in interpret mode (tests).
     attention_backend: str = "auto"
     dtype: str = "float32"  # weights and activations
     kv_cache_dtype: str = "auto"  # "auto" follows dtype; "fp8" (e4m3) halves KV bytes vs bf16

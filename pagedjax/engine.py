@@ -58,11 +58,15 @@ class _Group:
 
 
 def _attention_fn(backend: str):
-    """ "auto": the Pallas kernels on a GPU, the jnp reference elsewhere. "pallas" on the CPU runs
-    the kernels in interpret mode (slow; for tests)."""
+    """ "auto": the Pallas kernels on a GPU, the XLA work-list attention elsewhere. "pallas" on
+    the CPU runs the kernels in interpret mode (slow; for tests)."""
     import jax
 
-    if backend == "reference" or (backend == "auto" and jax.default_backend() != "gpu"):
+    if backend == "xla" or (backend == "auto" and jax.default_backend() != "gpu"):
+        from kernels_pallas.xla_attention import ragged_paged_attention_xla
+
+        return ragged_paged_attention_xla
+    if backend == "reference":
         from kernels_pallas.reference import ragged_paged_attention
 
         return ragged_paged_attention

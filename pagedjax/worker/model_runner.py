@@ -1,9 +1,10 @@
 """The model runner: turns a scheduled step into fixed-shape device arrays and runs it.
 
 Every jitted call sees one of a few shapes: tokens padded to a bucket T, sequences to
-S = min(T, max_num_seqs rounded up), block-table width to a power-of-two bucket B (the
-reference attention's cost scales with B, so it follows the longest context in the step, not
-max_model_len), sample rows to S, block copies to 0 or a power of two. Host buffers are
+S = min(T, max_num_seqs rounded up), sample rows to S, block copies to 0 or a power of two.
+The block-table width is max_model_len's for the XLA attention, whose loops stop at each
+sequence's real context; for the other backends, whose cost grows with the width, it is a
+power-of-two bucket B that follows the longest context in the step. Host buffers are
 preallocated numpy arrays filled in place; the KV pool is donated, so it is updated in place.
 Only sampled token ids (and requested logprobs) come back to the host.
 """
@@ -22,9 +23,9 @@ import numpy as np
 
 from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT, allocate_kv_cache, copy_blocks
 from kernels_pallas.metadata import AttentionMetadata
-from kernels_pallas.reference import ragged_paged_attention
+from kernels_pallas.xla_attention import ragged_paged_attention_xla
 from models.config import ModelConfig
-from models.llama import AttentionFn, Params, forward_logits
+from models.llama import AttentionFn, Params, forward_logits, split_layer_weights
 from pagedjax.sampler import (
     SamplerOutput,
     build_sampling_metadata,
@@ -55,7 +56,7 @@ def activation_bytes(
     params: Params,
     num_tokens: int,
     max_blocks_per_seq: int,
-    attention_fn: AttentionFn = ragged_paged_attention,
+    attention_fn: AttentionFn = ragged_paged_attention_xla,
     kv_dtype: jnp.dtype = jnp.float32,
 ) -> int:
     """Peak temporary memory of the forward at `num_tokens` tokens, from XLA's compiled memory
@@ -141,9 +142,11 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        attention_fn: AttentionFn = ragged_paged_attention,
+        attention_fn: AttentionFn = ragged_paged_attention_xla,
         kv_dtype: jnp.dtype = jnp.float32,
     ):
+        if jax.default_backend() == "cpu":  # see split_layer_weights
+            params = split_layer_weights(params)
         self.config, self.params, self.attention_fn = config, params, attention_fn
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
@@ -161,6 +164,8 @@ class ModelRunner:
             {min(power_of_two_at_least(w), self.max_blocks_per_seq) for w in (16, 32, 64, 128)}
             | {self.max_blocks_per_seq}
         )
+        if attention_fn is ragged_paged_attention_xla:
+            self.width_buckets = [self.max_blocks_per_seq]
         max_tokens, max_seqs = self.token_buckets[-1], self.max_seqs_bucket
         self._tokens = np.zeros(max_tokens, np.int32)
         self._positions = np.zeros(max_tokens, np.int32)

@@ -56,9 +56,9 @@ def ragged_paged_attention_xla(
     scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
-    decode_tile: int = 32,
+    decode_tile: int = 16,
     query_tile: int = 64,
-    key_chunk: int = 128,
+    key_chunk: int = 256,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
     """Same contract and result as `reference.ragged_paged_attention`."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -173,5 +173,6 @@ def ragged_paged_attention_xla(
         tile_out = finish(total, acc).transpose(2, 0, 1, 3)
         return out.at[jnp.where(valid, row, drop_row)].set(tile_out, mode="drop")
 
-    out = jax.lax.fori_loop(0, tile_end[-1], prefill_body, out)
+    if num_tokens > 1:  # a one-token bucket has no prefill tile
+        out = jax.lax.fori_loop(0, tile_end[-1], prefill_body, out)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 import time
+from pathlib import Path
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +96,24 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    script = BENCHMARKS / f"{args.script}.py"
+    if not script.is_file():
+        helpers = {"report", "workloads"}
+        available = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in helpers)
+        raise SystemExit(
+            f"no benchmark {args.script!r} in {BENCHMARKS}; benchmarks run from a source "
+            f"checkout (pip install -e .). Available: {', '.join(available) or 'none'}"
+        )
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their shared helpers
+    sys.argv = [str(script), *args.script_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description="Paged-KV LLM inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="interactive chat, streaming the replies")
     _add_engine_args(chat)
     chat.set_defaults(run=_chat)
+    bench = commands.add_parser(
+        "bench", help="run a script of benchmarks/ (a source checkout), e.g. bench throughput"
+    )
+    bench.add_argument("script", help="benchmark name: throughput, latency, roofline, ...")
+    bench.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own flags")
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +11,9 @@ import torch
 
 from kernels_pallas.kv_cache import allocate_kv_cache
 from kernels_pallas.metadata import build_metadata, token_positions
-from models.llama import forward_logits_jit
+from kernels_pallas.reference import ragged_paged_attention
+from kernels_pallas.xla_attention import ragged_paged_attention_xla
+from models.llama import forward_logits_jit, split_layer_weights
 from models.loader import load_model
 from tests.conftest import TINY_MODELS
 
@@ -48,12 +52,23 @@ def test_full_prompt_logits_match_transformers(name, tiny_model_dir):
     assert error < TOLERANCE
 
 
+# The XLA attention with tiny tiles, so steps span several decode tiles, query tiles and key
+# chunks; with it, the matmul weights split per layer as the CPU runner holds them.
+SMALL_TILES = functools.partial(
+    ragged_paged_attention_xla, decode_tile=2, query_tile=4, key_chunk=8
+)
+
+
+@pytest.mark.parametrize("attention", ["reference", "xla"])
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen2", "qwen3"])
-def test_ragged_chunked_prefill_then_decode_matches_transformers(name, tiny_model_dir):
+def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention, tiny_model_dir):
     """Three sequences share each step: prefill in uneven chunks, then decode one token at a time,
     through shuffled block tables, with padding tokens and a padding sequence in every step."""
     path, hf_model = tiny_model_dir(name)
     config, params = load_model(path)
+    attention_fn = ragged_paged_attention if attention == "reference" else SMALL_TILES
+    if attention == "xla":
+        params = split_layer_weights(params)
     rng = np.random.default_rng(2)
     lengths = [19, 6, 26]
     seqs = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
@@ -88,7 +103,14 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, tiny_mode
         )
         positions = token_positions(q_lens, seq_lens, num_tokens + 3)
         logits, cache = forward_logits_jit(
-            params, config, tokens, positions, cache, meta, np.arange(num_tokens, dtype=np.int32)
+            params,
+            config,
+            tokens,
+            positions,
+            cache,
+            meta,
+            np.arange(num_tokens, dtype=np.int32),
+            attention_fn,
         )
         logits = np.asarray(logits)
         row = 0

@@ -1,0 +1,34 @@
+"""`pagedjax bench`: runs a benchmark script of the source checkout with its own flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedjax import cli
+
+
+def test_bench_runs_the_named_script_with_its_flags(tmp_path, monkeypatch):
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "probe.py").write_text(
+        "import json, sys\n"
+        "from helper import VALUE\n"
+        "if __name__ == '__main__':\n"
+        "    out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "    open(out, 'w').write(json.dumps({'argv': sys.argv[1:], 'value': VALUE}))\n"
+    )
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)
+    monkeypatch.setattr("sys.argv", ["pagedjax"])
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    out = tmp_path / "out.json"
+    assert cli.main(["bench", "probe", "--requests", "3", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {
+        "argv": ["--requests", "3", "--out", str(out)],
+        "value": 7,
+    }
+
+
+def test_bench_names_the_available_scripts_for_an_unknown_one():
+    with pytest.raises(SystemExit, match="no benchmark 'nosuch'.*throughput"):
+        cli.main(["bench", "nosuch"])

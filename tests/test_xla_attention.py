@@ -1,0 +1,109 @@
+"""The XLA work-list attention (the CPU path) against the per-token oracle.
+
+Tiny tiles and key chunks make every case span several decode tiles, query tiles and key
+chunks; the defaults are checked too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import MIXED, RAGGED_CASES, assert_matches, expected, make_case
+
+from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.xla_attention import ragged_paged_attention_xla
+
+SMALL_TILES = dict(decode_tile=2, query_tile=8, key_chunk=16)
+
+
+@pytest.mark.parametrize("tiles", ["small", "default"])
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_dim,kv_dtype,window,soft_cap,layer",
+    [c[1:] for c in RAGGED_CASES],
+    ids=[c[0] for c in RAGGED_CASES],
+)
+def test_matches_reference(
+    block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer, tiles
+):
+    q, cache, metadata = make_case(
+        0,
+        MIXED,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        num_layers=3 if layer == 2 else 2,
+        kv_dtype=kv_dtype,
+        num_tokens_padded=40,  # padding tokens
+        num_seqs_padded=8,  # padding sequences
+        max_blocks_per_seq=10,
+    )
+    window_arg = None if window is None else jnp.int32(window)
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window_arg, soft_cap=soft_cap)
+    attention = functools.partial(
+        ragged_paged_attention_xla, **(SMALL_TILES if tiles == "small" else {})
+    )
+    out = jax.jit(attention, static_argnames=("scale", "soft_cap"))(
+        q, cache, jnp.int32(layer), metadata, **kwargs
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_matches(out, expected(q, cache, layer, metadata, **kwargs), metadata, kv_dtype)
+
+
+def test_random_steps_in_one_bucket_compile_once():
+    """Random ragged steps of one shape: every mix of prefill, chunked prefill and decode, and
+    contexts from one token to many pages, through one compilation."""
+    traces = []
+
+    @jax.jit
+    def attention(q, cache, metadata):
+        traces.append(1)
+        return ragged_paged_attention_xla(q, cache, 1, metadata, scale=0.125, **SMALL_TILES)
+
+    rng = np.random.default_rng(3)
+    for seed in range(12):
+        seqs, budget = [], 48
+        for _ in range(int(rng.integers(1, 8))):
+            q_len = int(rng.choice([1, 1, rng.integers(1, 30)]))
+            if q_len > budget:
+                break
+            budget -= q_len
+            seqs.append((q_len, q_len + int(rng.integers(0, 90))))
+        q, cache, metadata = make_case(
+            seed,
+            seqs,
+            block_size=8,
+            num_kv_heads=2,
+            group=3,
+            head_dim=32,
+            num_tokens_padded=48,
+            num_seqs_padded=8,
+            max_blocks_per_seq=16,
+            spare_blocks=120 - sum(-(-c // 8) for _, c in seqs),
+        )
+        out = attention(q, cache, metadata)
+        assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
+    assert len(traces) == 1
+
+
+def test_fp8_pool_with_per_head_scales():
+    q, cache, metadata = make_case(
+        2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
+    )
+    k_scale, v_scale = jnp.array([[0.5, 2.0]] * 2), jnp.array([[1.5, 0.25]] * 2)
+    fp8 = KVCache(
+        (cache.k / k_scale[0].reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+        (cache.v / v_scale[0].reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+        k_scale,
+        v_scale,
+    )
+    q = q.astype(jnp.bfloat16)
+    out = ragged_paged_attention_xla(q, fp8, 1, metadata, scale=0.125, **SMALL_TILES)
+    want = expected(
+        q, KVCache(fp8.k, fp8.v), 1, metadata, k_scale=k_scale[0], v_scale=v_scale[0], scale=0.125
+    )
+    assert_matches(out, want, metadata, jnp.float8_e4m3fn)

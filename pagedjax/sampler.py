@@ -74,19 +74,61 @@ def apply_logit_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return logits.at[rows, ids].add(meta.bias_values, mode="drop")
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys with the order of the float32 values x (-inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    negative = bits >> 31 == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_where(keys: jax.Array, enough) -> jax.Array:
+    """[S, 1] the largest key t of each row with enough(keys >= t) true, by bisection over the
+    32-bit key space (32 masked passes over [S, V] instead of a sort, which on the CPU took
+    1.3 s for 64 rows of a 49k vocabulary). enough must be monotone: true for small t."""
+    rows = keys.shape[0]
+
+    def step(_, bounds):
+        lo, hi = bounds  # enough(lo) holds; every key above hi fails
+        mid = hi - (hi - lo) // 2  # the upper midpoint, without overflowing uint32
+        ok = enough(keys >= mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros((rows, 1), jnp.uint32)
+    hi = jnp.full((rows, 1), 0xFFFFFFFF, jnp.uint32)
+    return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
+
+
 def truncate(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """Top-k, then top-p, then min-p, on temperature-scaled logits; masked entries get -inf."""
-    vocab_size = logits.shape[-1]
-    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
-    rank = jnp.arange(vocab_size)[None, :]
-    k = jnp.where(meta.top_k > 0, meta.top_k, vocab_size)[:, None]
-    sorted_logits = jnp.where(rank < k, sorted_logits, _NEG_INF)
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = (rank < k) & ((mass_before < meta.top_p[:, None]) | (rank == 0))
-    keep &= sorted_probs >= meta.min_p[:, None] * sorted_probs[:, :1]
+    """Top-k, then top-p, then min-p, on temperature-scaled logits; masked entries get -inf.
+
+    Each rule keeps the tokens at or above a threshold logit (ties at the threshold are kept):
+    top-k the k-th largest logit; top-p, over the top-k distribution, the smallest logit whose
+    tokens and all larger ones reach mass p; min-p probabilities of at least min_p x the top.
+    """
+    keys = _order_keys(logits)
+    no_threshold = jnp.zeros((logits.shape[0], 1), jnp.uint32)  # below every key
+    k = jnp.where(meta.top_k > 0, meta.top_k, logits.shape[-1])[:, None]
+    top_k_key = jax.lax.cond(
+        jnp.any(meta.top_k > 0),
+        lambda: _largest_key_where(keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= k),
+        lambda: no_threshold,
+    )
+    in_top_k = keys >= top_k_key
+    probs = jax.nn.softmax(jnp.where(in_top_k, logits, _NEG_INF), axis=-1)
+    top_p = meta.top_p[:, None]
+    uses_top_p = top_p < 1.0  # 1 keeps everything (a float sum of all probs may fall short of 1)
+    top_p_key = jax.lax.cond(
+        jnp.any(uses_top_p),
+        lambda: _largest_key_where(
+            keys, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), -1, keepdims=True) >= top_p
+        ),
+        lambda: no_threshold,
+    )
+    top_p_key = jnp.where(uses_top_p, top_p_key, no_threshold)
+    keep = in_top_k & (keys >= top_p_key)
+    keep &= probs >= meta.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     # The smallest kept logit is each row's threshold (ties at the threshold are kept).
-    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.min(jnp.where(keep, logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, _NEG_INF)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.sampler import build_sampling_metadata, sample
+from pagedjax.sampler import build_sampling_metadata, sample, truncate
 from pagedjax.sampling_params import SamplingParams
 
 V = 50
@@ -150,3 +151,50 @@ def test_defaults_match_vllm():
         0,
     )
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def _truncate_by_sorting(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> set:
+    """The textbook rule, one row: sort, keep the top k, then the smallest prefix whose mass
+    reaches top_p, then probabilities >= min_p x the largest."""
+    order = np.argsort(-logits, kind="stable")
+    kept = order[: top_k or len(order)]
+    probs = np.exp(logits[kept] - logits[kept].max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        before = np.cumsum(probs) - probs
+        reach = (before < top_p) | (np.arange(len(kept)) == 0)
+        kept, probs = kept[reach], probs[reach]
+    kept = kept[(probs >= min_p * probs.max()) & np.isfinite(logits[kept])]
+    return set(kept.tolist())
+
+
+def test_truncation_without_a_sort_matches_sorting():
+    """The bisection thresholds keep exactly the tokens a sort-based top-k/top-p/min-p keeps
+    (random continuous logits, so no ties)."""
+    rng = np.random.default_rng(7)
+    rows, vocab = 16, 500
+    for trial in range(6):
+        logits = rng.normal(size=(rows, vocab)).astype(np.float32) * (0.5 + trial)
+        logits[:, :2] = -np.inf  # banned tokens stay banned
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                top_k=int(rng.choice([0, 1, 5, 80])),
+                top_p=float(rng.choice([1.0, 0.3, 0.9, 0.999])),
+                min_p=float(rng.choice([0.0, 0.05, 0.5])),
+            )
+            for _ in range(rows)
+        ]
+        meta = build_sampling_metadata(params, [[]] * rows, [[]] * rows, [0] * rows)
+        kept = np.isfinite(np.asarray(truncate(jnp.asarray(logits), meta)))
+        for i, p in enumerate(params):
+            want = _truncate_by_sorting(logits[i].astype(np.float64), p.top_k, p.top_p, p.min_p)
+            assert set(np.flatnonzero(kept[i]).tolist()) == want, (trial, i, p)
+
+
+def test_top_k_keeps_every_token_tied_at_the_threshold():
+    logits = jnp.asarray([[3.0, 2.0, 2.0, 2.0, 1.0]])
+    meta = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=2)], [[]], [[]], [0])
+    assert np.isfinite(np.asarray(truncate(logits, meta))).tolist() == [
+        [True, True, True, True, False]
+    ]

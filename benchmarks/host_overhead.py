@@ -1,0 +1,89 @@
+"""Host-side share of engine steps with many running requests: scheduling, block management,
+input preparation, sampling metadata, detokenization and stop checks, against the time spent
+waiting for the device.
+
+    python benchmarks/host_overhead.py [--running 256] [--steps 30]
+
+The waiting is the time blocked in numpy.asarray on the step's device results (the only host
+sync of a step), taken from cProfile; host time is the rest of each engine.step().
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import make_prompts  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps measured")
+    args = parser.parse_args()
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    llm = LLM(
+        None,
+        max_model_len=512,
+        max_num_batched_tokens=max(512, args.running),
+        max_num_seqs=args.running,
+        num_kv_blocks=1 + args.running * 24,
+    )
+    engine = llm.llm_engine
+    engine.runner.warmup()
+    prompts = make_prompts(llm.get_tokenizer(), args.running)
+    for i, prompt in enumerate(prompts):
+        # Seeded top-p sampling with a stop string: a per-row host path, not greedy only.
+        params = SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            stop=["\n\n\n"],
+            seed=i,
+            max_tokens=10_000 // args.running + args.steps + 64,
+            ignore_eos=True,
+        )
+        engine.add_request(str(i), prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()  # admit and prefill everyone
+    for _ in range(3):  # compiles the sampler's variant for these rows
+        engine.step()
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profile.disable()
+    total = time.perf_counter() - start
+    if os.environ.get("HOST_PROFILE"):
+        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    stats = pstats.Stats(profile).stats
+    # Device results are fetched with numpy.asarray in ModelRunner.execute; other asarray calls
+    # (building sampling metadata from lists) are host work.
+    fetch = next(v for k, v in stats.items() if k[2] == "<built-in method numpy.asarray>")
+    waiting = sum(t[3] for caller, t in fetch[4].items() if caller[2] == "execute")
+    running = len(engine.scheduler.running)
+    report(
+        "host_overhead",
+        {
+            "running_requests": running,
+            "steps": args.steps,
+            "step_ms_median_like_mean": 1000 * total / args.steps,
+            "device_wait_ms_per_step": 1000 * waiting / args.steps,
+            "host_ms_per_step": 1000 * (total - waiting) / args.steps,
+            "host_share": (total - waiting) / total,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -520,3 +520,18 @@ def test_documented_example_runs(capsys):
     exec(compile(example, str(doc), "exec"), {})
     out = capsys.readouterr().out
     assert "[1, 2, 3]" in out and "[(3, 5)]" in out
+
+
+def test_prefix_stats_count_an_admission_once_however_often_it_waits():
+    manager = KVCacheManager(4, 4, enable_caching=True)  # 3 usable blocks
+    a = Request("a", list(range(12)))
+    _run(manager, a)  # holds all 3 blocks
+    b = Request("b", list(range(8)) + [50, 51, 52])  # shares a's first two blocks
+    for _ in range(3):  # the scheduler retries each step while the pool is full
+        hits, num_hits = manager.get_computed_blocks(b)
+        assert num_hits == 8 and manager.allocate_slots(b, 3, hits, num_hits) is None
+    manager.free(a)
+    hits, num_hits = manager.get_computed_blocks(b)
+    assert manager.allocate_slots(b, 3, hits, num_hits) is not None
+    stats = manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 12 + 11, 8)

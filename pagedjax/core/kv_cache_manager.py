@@ -128,12 +128,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += len(token_ids)
-        stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
 
     def _register(self, request: KVCacheRequest) -> _RequestBlocks:
         extra_keys = request_extra_keys(request) if self.enable_caching else b""
@@ -259,11 +254,19 @@ class KVCacheManager:
                 num_free -= sum(1 for block in hits if block.ref_cnt == 0)
             if num_needed > num_free:
                 return None
-            if hits:
-                pool.touch(hits)
-                blocks.extend(hits)
-                state.block_ids.extend([block.block_id for block in hits])
-                state.num_cached_blocks = len(blocks)
+        if not blocks and self.enable_caching:
+            # An admission that succeeds (the first allocation after get_computed_blocks):
+            # counted here, not at the lookup, so a request that waits for blocks and looks
+            # up again each step is counted once.
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += len(request.all_token_ids)
+            stats.hits += num_new_computed_tokens
+        if hits:
+            pool.touch(hits)
+            blocks.extend(hits)
+            state.block_ids.extend([block.block_id for block in hits])
+            state.num_cached_blocks = len(blocks)
         if num_needed:
             new_blocks = pool.get_new_blocks(num_needed)
             if needs_cow:

@@ -186,12 +186,15 @@ def build_sampling_metadata(
     *,
     num_rows: int | None = None,
     extra_bias: list[dict[int, float]] | None = None,
+    history_width: int = 1,
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
-    Token-list widths are rounded up to powers of two so a growing output does not recompile
-    every step. `extra_bias` adds per-row biases (the engine masks stop tokens below
-    min_tokens with -inf this way).
+    Token-list widths are rounded up to powers of two, and the prompt and output histories
+    (sent only when some row has a penalty) to at least `history_width`: an engine passes its
+    max_model_len, so a growing output never changes a shape (no recompile mid-generation).
+    `extra_bias` adds per-row biases (the engine masks stop tokens below min_tokens with -inf
+    this way).
     """
     num_rows = num_rows or len(params)
     real = len(params)
@@ -201,8 +204,8 @@ def build_sampling_metadata(
         out[:real] = values
         return out
 
-    def padded(lists: list[list[int]], dtype=np.int32, fill=-1) -> np.ndarray:
-        width = _bucket(max((len(x) for x in lists), default=0))
+    def padded(lists: list[list[int]], dtype=np.int32, fill=-1, min_width: int = 1) -> np.ndarray:
+        width = max(_bucket(max((len(x) for x in lists), default=0)), _bucket(min_width))
         out = np.full((num_rows, width), fill, dtype)
         for i, x in enumerate(lists):
             out[i, : len(x)] = x
@@ -228,10 +231,12 @@ def build_sampling_metadata(
         seeds=column([s % 2**32 for s in seeds], np.uint32, 0),
         steps=column([len(o) for o in output_token_ids], np.int32, 0),
         prompt_token_ids=padded(
-            [t if r else [] for t, r in zip(prompt_token_ids, uses_repetition, strict=True)]
+            [t if r else [] for t, r in zip(prompt_token_ids, uses_repetition, strict=True)],
+            min_width=history_width if any(uses_repetition) else 1,
         ),
         output_token_ids=padded(
-            [t if u else [] for t, u in zip(output_token_ids, uses_output, strict=True)]
+            [t if u else [] for t, u in zip(output_token_ids, uses_output, strict=True)],
+            min_width=history_width if any(uses_output) else 1,
         ),
         bias_token_ids=padded([list(b) for b in biases]),
         bias_values=padded([list(b.values()) for b in biases], np.float32, 0),

@@ -12,6 +12,7 @@ from models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
+from pagedjax.sampler import sample
 from pagedjax.sampling_params import SamplingParams
 from tests.conftest import build_tiny_tokenizer
 
@@ -230,6 +231,17 @@ def test_steady_workload_compiles_nothing_after_warmup(tiny):
     compiled = engine.runner.num_compilations
     run(engine, make_prompts(12, seed=10), SamplingParams(max_tokens=9, **GREEDY))
     assert engine.runner.num_compilations == compiled
+
+
+def test_penalty_histories_do_not_recompile_the_sampler_as_outputs_grow(tiny):
+    engine = make_engine(tiny, enable_prefix_caching=False)  # both runs prefill alike
+    prompt = make_prompts(1, seed=12)
+    params = dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5, seed=1)
+    run(engine, prompt, SamplingParams(max_tokens=3, ignore_eos=True, **params))
+    compiled = sample._cache_size()
+    out = run(engine, prompt, SamplingParams(max_tokens=40, ignore_eos=True, **params))
+    assert len(out[0].outputs[0].token_ids) == 40
+    assert sample._cache_size() == compiled  # output widths 4 -> 64 reuse one variant
 
 
 def test_logprobs(tiny):

@@ -285,6 +285,7 @@ class ModelRunner:
             [r.seed for r in rows],
             num_rows=r_pad,
             extra_bias=[r.extra_bias for r in rows],
+            history_width=self.max_blocks_per_seq * self.block_size,
         )
         num_logprobs = max((p.logprobs or 0 for p in params), default=0)
         out: SamplerOutput = sample(

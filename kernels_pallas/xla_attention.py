@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.kv_cache import NULL_BLOCK, KVCache
 from kernels_pallas.metadata import AttentionMetadata
 
 _MASKED = -1e30  # finite: a row without a visible key stays finite instead of NaN
@@ -74,7 +74,9 @@ def ragged_paged_attention_xla(
     num_seqs, width = metadata.block_tables.shape
     chunk_blocks = max(1, min(key_chunk // block_size, width))
     chunk = chunk_blocks * block_size
-    tables = jnp.pad(metadata.block_tables, ((0, 0), (0, -width % chunk_blocks)))
+    tables = jnp.pad(
+        metadata.block_tables, ((0, 0), (0, -width % chunk_blocks)), constant_values=NULL_BLOCK
+    )
     qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
     q_lens = qsl[1:] - qsl[:-1]  # [S]; 0 for padding sequences
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)

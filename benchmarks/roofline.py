@@ -56,8 +56,7 @@ def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
 
 def model_flops(config, prompt_lens: list[int], output_lens: list[int]) -> float:
     """FLOPs of computing every prompt and output token once, plus one LM head row per output."""
-    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    layer_params = config.num_params() - embed
+    layer_params = config.num_layer_params()
     attention_per_key = 4 * config.num_layers * config.num_heads * config.head_dim
     total = 0.0
     for prompt, output in zip(prompt_lens, output_lens, strict=True):

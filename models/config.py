@@ -52,11 +52,15 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return self.head_dim**-0.5
 
-    def num_params(self) -> int:
+    def num_layer_params(self) -> int:
+        """Matmul weights of all decoder layers: the parameters every computed token uses."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp)
+
+    def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + embed
+        return self.num_layer_params() + embed
 
     def inv_freq(self) -> np.ndarray:
         """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does."""

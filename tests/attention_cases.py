@@ -96,3 +96,33 @@ RAGGED_CASES = [
     ("bs8-gqa4-f16-window-softcap", 8, 1, 4, 64, jnp.float16, 13, 3.0, 1),
     ("bs16-gqa2-d256", 16, 1, 2, 256, jnp.float32, None, None, 1),
 ]
+
+
+def ragged_case(block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer):
+    """One RAGGED_CASES row over MIXED, with padding tokens and sequences: (q, cache, metadata,
+    the attention keyword arguments)."""
+    q, cache, metadata = make_case(
+        0,
+        MIXED,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        num_layers=3 if layer == 2 else 2,
+        kv_dtype=kv_dtype,
+        num_tokens_padded=40,  # padding tokens
+        num_seqs_padded=8,  # padding sequences
+        max_blocks_per_seq=10,
+    )
+    window_arg = None if window is None else jnp.int32(window)
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window_arg, soft_cap=soft_cap)
+    return q, cache, metadata, kwargs
+
+
+def quantize_fp8(cache: KVCache, k_scale: jax.Array, v_scale: jax.Array) -> KVCache:
+    """The pool as an fp8 pool holds it: x / scale per KV head ([Hkv] scales), no scales
+    attached; the oracle sees these dequantised fp8 values."""
+    return KVCache(
+        (cache.k / k_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+        (cache.v / v_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
+    )

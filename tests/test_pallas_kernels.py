@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MIXED, RAGGED_CASES, assert_matches, expected, make_case
+from attention_cases import (
+    MIXED,
+    RAGGED_CASES,
+    assert_matches,
+    expected,
+    make_case,
+    quantize_fp8,
+    ragged_case,
+)
 from jax.experimental import checkify
 
 from kernels_pallas.decode_attention import (
@@ -21,7 +29,6 @@ from kernels_pallas.decode_attention import (
     choose_num_splits,
     decode_attention_kernel,
 )
-from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.paged_attention import (
     check_block_tables,
@@ -42,21 +49,9 @@ INTERPRET = resolve_interpret()
 def test_ragged_kernel_matches_reference(
     block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer
 ):
-    q, cache, metadata = make_case(
-        0,
-        MIXED,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=head_dim,
-        num_layers=3 if layer == 2 else 2,
-        kv_dtype=kv_dtype,
-        num_tokens_padded=40,  # padding tokens
-        num_seqs_padded=8,  # padding sequences
-        max_blocks_per_seq=10,
+    q, cache, metadata, kwargs = ragged_case(
+        block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer
     )
-    window_arg = None if window is None else jnp.int32(window)
-    kwargs = dict(scale=head_dim**-0.5, sliding_window=window_arg, soft_cap=soft_cap)
     # With a window, small tiles and query blocks make the kernel skip tiles left of the
     # window and split chunks over several query blocks.
     config = RaggedConfig(16, 16) if window else RaggedConfig()
@@ -111,11 +106,7 @@ def test_ragged_kernel_fp8_pool_with_per_head_scales():
         2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
     )
     k_scale, v_scale = jnp.array([0.5, 2.0]), jnp.array([1.5, 0.25])
-    # Quantise: the pool holds x / scale in fp8; the oracle sees the dequantised fp8 values.
-    fp8 = KVCache(
-        (cache.k / k_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
-        (cache.v / v_scale.reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
-    )
+    fp8 = quantize_fp8(cache, k_scale, v_scale)
     q = q.astype(jnp.bfloat16)
     out = paged_attention(
         q, fp8, 1, metadata, scale=0.125, k_scale=k_scale, v_scale=v_scale, interpret=INTERPRET

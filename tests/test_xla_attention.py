@@ -12,7 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MIXED, RAGGED_CASES, assert_matches, expected, make_case
+from attention_cases import (
+    MIXED,
+    RAGGED_CASES,
+    assert_matches,
+    expected,
+    make_case,
+    quantize_fp8,
+    ragged_case,
+)
 
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
@@ -29,21 +37,9 @@ SMALL_TILES = dict(decode_tile=2, query_tile=8, key_chunk=16)
 def test_matches_reference(
     block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer, tiles
 ):
-    q, cache, metadata = make_case(
-        0,
-        MIXED,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=head_dim,
-        num_layers=3 if layer == 2 else 2,
-        kv_dtype=kv_dtype,
-        num_tokens_padded=40,  # padding tokens
-        num_seqs_padded=8,  # padding sequences
-        max_blocks_per_seq=10,
+    q, cache, metadata, kwargs = ragged_case(
+        block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer
     )
-    window_arg = None if window is None else jnp.int32(window)
-    kwargs = dict(scale=head_dim**-0.5, sliding_window=window_arg, soft_cap=soft_cap)
     attention = functools.partial(
         ragged_paged_attention_xla, **(SMALL_TILES if tiles == "small" else {})
     )
@@ -94,16 +90,12 @@ def test_fp8_pool_with_per_head_scales():
     q, cache, metadata = make_case(
         2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
     )
-    k_scale, v_scale = jnp.array([[0.5, 2.0]] * 2), jnp.array([[1.5, 0.25]] * 2)
-    fp8 = KVCache(
-        (cache.k / k_scale[0].reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
-        (cache.v / v_scale[0].reshape(1, -1, 1, 1, 1)).astype(jnp.float8_e4m3fn),
-        k_scale,
-        v_scale,
-    )
+    k_scale, v_scale = jnp.array([0.5, 2.0]), jnp.array([1.5, 0.25])
+    fp8 = quantize_fp8(cache, k_scale, v_scale)
+    per_layer = jnp.stack([k_scale] * 2), jnp.stack([v_scale] * 2)  # KVCache's [L, Hkv] scales
     q = q.astype(jnp.bfloat16)
-    out = ragged_paged_attention_xla(q, fp8, 1, metadata, scale=0.125, **SMALL_TILES)
-    want = expected(
-        q, KVCache(fp8.k, fp8.v), 1, metadata, k_scale=k_scale[0], v_scale=v_scale[0], scale=0.125
+    out = ragged_paged_attention_xla(
+        q, KVCache(fp8.k, fp8.v, *per_layer), 1, metadata, scale=0.125, **SMALL_TILES
     )
+    want = expected(q, fp8, 1, metadata, k_scale=k_scale, v_scale=v_scale, scale=0.125)
     assert_matches(out, want, metadata, jnp.float8_e4m3fn)

@@ -46,7 +46,8 @@ from pagedjax.core.request import KVCacheRequest
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since creation or the last `reset()`; tokens, not blocks."""
+    """Prefix-cache lookups of successful admissions since creation or the last `reset()`;
+    tokens, not blocks."""
 
     requests: int = 0
     queries: int = 0  # tokens looked up

@@ -19,7 +19,8 @@ Params are a pytree of arrays with the layers stacked on a leading axis:
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
 
-`split_layer_weights` turns the four matmul weights into tuples of per-layer arrays, for XLA:CPU:
+`split_layer_weights` turns the four matmul weights into tuples of per-layer arrays (transposed to
+[out, in]), for XLA:CPU:
 there, slicing layer i out of a stacked weight inside the scan is a copy, which at batch 1 costs
 more than the matmul itself (it doubled the decode step of the default model). A tuple is read
 in place through a `lax.switch` on the layer index, one matmul per branch.
@@ -45,17 +46,24 @@ MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def split_layer_weights(params: Params) -> Params:
-    """Params with each stacked matmul weight [L, ...] replaced by a tuple of L arrays."""
+    """Params with each stacked matmul weight [L, in, out] replaced by a tuple of L transposed
+    [out, in] arrays: XLA:CPU runs x @ w.T 12-19% faster than x @ w at 32-64 rows with weights
+    streamed from memory (measured on the default model's shapes; equal at 1 row)."""
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        layers[name] = tuple(layers[name])
+        layers[name] = tuple(w.T for w in layers[name])
     return {**params, "layers": layers}
 
 
+def _matmul_transposed(x: jax.Array, weight_t: jax.Array) -> jax.Array:
+    """x [T, in] @ weight_t[out, in].T -> [T, out]."""
+    return jax.lax.dot_general(x, weight_t, (((1,), (1,)), ((), ())))
+
+
 def layer_matmul(x: jax.Array, weight: jax.Array | tuple, layer: jax.Array) -> jax.Array:
-    """x @ weight[layer], for a stacked weight or a tuple of per-layer weights."""
+    """x @ weight[layer], for a stacked weight or a tuple of transposed per-layer weights."""
     if isinstance(weight, tuple):
-        return jax.lax.switch(layer, [lambda x, w=w: x @ w for w in weight], x)
+        return jax.lax.switch(layer, [lambda x, w=w: _matmul_transposed(x, w) for w in weight], x)
     return x @ weight[layer]
 
 

@@ -6,7 +6,7 @@ W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with
 --requests takes the first N (default 8 so that it fits a 2-core machine).
 
     python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
-        [--max-num-batched-tokens 512] [--max-num-seqs 32]
+        [--max-num-batched-tokens 512] [--max-num-seqs 128] [--block-size N]
         [--peer] [--peer-batches 1,8,32] [--peer-requests N]
 
 --peer runs transformers `generate` (torch CPU float32, 2 threads) on the same token ids in static
@@ -85,7 +85,10 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=128, help="W1: new tokens per request")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=128, help="running requests at once (engine default)"
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
     parser.add_argument("--peer", action="store_true", help="also run transformers generate")
     parser.add_argument("--peer-batches", default="1,8,32", help="static batch sizes of the peer")
     parser.add_argument(
@@ -96,6 +99,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    from pagedjax.config import EngineConfig
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
@@ -103,12 +107,14 @@ def main() -> None:
     count = args.requests or (32 if w1 else 8)
     max_model_len = 512 if w1 else 1024
     longest = 200 + args.tokens if w1 else 1024  # prompt + output tokens of one request
+    bs = args.block_size or EngineConfig.block_size
     llm = LLM(
         None,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + max(count * -(-longest // 16), max_model_len // 16),
+        num_kv_blocks=1 + max(count * -(-longest // bs), max_model_len // bs),
+        block_size=bs,
     )
     if w1:
         prompts = make_prompts(llm.get_tokenizer(), count)

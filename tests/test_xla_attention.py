@@ -1,7 +1,7 @@
 """The XLA work-list attention (the CPU path) against the per-token oracle.
 
 Tiny tiles and key chunks make every case span several decode tiles, query tiles and key
-chunks; the defaults are checked too.
+chunks (decode rows through the XLA loops); the defaults send decode rows to the C++ kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ from attention_cases import (
     ragged_case,
 )
 
+from kernels_pallas import cpu_decode
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
 
-SMALL_TILES = dict(decode_tile=2, query_tile=8, key_chunk=16)
+SMALL_TILES = dict(decode_tile=2, query_tile=8, key_chunk=16, decode_kernel=False)
+
+
+def test_cpu_decode_kernel_builds():
+    """The C++ kernel builds here, so the default-tile cases below exercise it."""
+    assert cpu_decode.available()
 
 
 @pytest.mark.parametrize("tiles", ["small", "default"])
@@ -50,15 +56,17 @@ def test_matches_reference(
     assert_matches(out, expected(q, cache, layer, metadata, **kwargs), metadata, kv_dtype)
 
 
-def test_random_steps_in_one_bucket_compile_once():
+@pytest.mark.parametrize("decode_kernel", [False, True])
+def test_random_steps_in_one_bucket_compile_once(decode_kernel):
     """Random ragged steps of one shape: every mix of prefill, chunked prefill and decode, and
     contexts from one token to many pages, through one compilation."""
     traces = []
+    tiles = {**SMALL_TILES, "decode_kernel": decode_kernel}
 
     @jax.jit
     def attention(q, cache, metadata):
         traces.append(1)
-        return ragged_paged_attention_xla(q, cache, 1, metadata, scale=0.125, **SMALL_TILES)
+        return ragged_paged_attention_xla(q, cache, 1, metadata, scale=0.125, **tiles)
 
     rng = np.random.default_rng(3)
     for seed in range(12):

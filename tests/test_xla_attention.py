@@ -107,3 +107,21 @@ def test_fp8_pool_with_per_head_scales():
     )
     want = expected(q, fp8, 1, metadata, k_scale=k_scale, v_scale=v_scale, scale=0.125)
     assert_matches(out, want, metadata, jnp.float8_e4m3fn)
+
+
+def test_failed_kernel_build_falls_back_to_xla_loops(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("no C++ compiler found")
+
+    q, cache, metadata = make_case(
+        4, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
+    )
+    monkeypatch.setattr(cpu_decode, "_build", no_compiler)
+    cpu_decode.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+            assert not cpu_decode.supports(q, cache)
+        out = ragged_paged_attention_xla(q, cache, 1, metadata, scale=0.125)
+    finally:
+        cpu_decode.available.cache_clear()
+    assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)

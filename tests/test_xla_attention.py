@@ -6,6 +6,7 @@ chunks (decode rows through the XLA loops); the defaults send decode rows to the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -125,3 +126,19 @@ def test_failed_kernel_build_falls_back_to_xla_loops(monkeypatch):
     finally:
         cpu_decode.available.cache_clear()
     assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
+
+
+def test_kernel_clips_a_bad_block_table_into_the_pool():
+    """Tables are checked where they are built; if one slips through, the C++ kernel clips page
+    ids, lengths and the layer into range (as the XLA loops clip their gathers) instead of
+    reading outside the pool."""
+    q, cache, metadata = make_case(
+        5, [(1, 40), (1, 7)], block_size=8, num_kv_heads=2, group=3, head_dim=32
+    )
+    bad = dataclasses.replace(
+        metadata,
+        block_tables=jnp.full_like(metadata.block_tables, 10**6).at[1].set(-5),
+        seq_lens=metadata.seq_lens.at[0].set(10**6),
+    )
+    out = cpu_decode.paged_decode_cpu(q, cache, 10**3, bad, scale=0.125)
+    assert np.isfinite(np.asarray(out)).all()

@@ -32,7 +32,7 @@ struct Step {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   float* out;
-  int64_t num_seqs, width, num_kv_heads, num_blocks, block_size, head_dim, group, layer;
+  int64_t num_tokens, num_seqs, width, num_kv_heads, num_blocks, block_size, head_dim, group, layer;
   int32_t window;
   float scale, soft_cap;
   std::atomic<int64_t> next{0};
@@ -44,7 +44,10 @@ void AttendOne(const Step& st, int64_t item, std::vector<float>& scores, std::ve
   if (st.query_start_loc[s + 1] - st.query_start_loc[s] != 1) return;  // not a decode row
   const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
   const int64_t row = st.query_start_loc[s], num_q_heads = st.num_kv_heads * g;
-  const int64_t len = st.seq_lens[s];
+  if (row < 0 || row >= st.num_tokens) return;
+  // Clipped into the block table and the pool, as the XLA path clips its gathers: tables are
+  // checked where they are built, and a bad one must not read outside the pool.
+  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * st.block_size);
   const int64_t start = st.window > 0 ? std::max<int64_t>(0, len - st.window) : 0;
   const float* q = st.q + (row * num_q_heads + h * g) * D;
   const int64_t head_pages = (st.layer * st.num_kv_heads + h) * st.num_blocks;
@@ -54,7 +57,8 @@ void AttendOne(const Step& st, int64_t item, std::vector<float>& scores, std::ve
   std::fill(acc.begin(), acc.begin() + g * D, 0.f);
 
   for (int64_t first = start; first < len;) {
-    const int64_t page = st.tables[s * st.width + first / bs];
+    const int64_t page = std::clamp<int64_t>(st.tables[s * st.width + first / bs], 0,
+                                             st.num_blocks - 1);
     const int64_t offset = first % bs, n = std::min(bs - offset, len - first);
     const float* k_rows = st.k + ((head_pages + page) * bs + offset) * D;
     const float* v_rows = st.v + ((head_pages + page) * bs + offset) * D;
@@ -127,6 +131,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   st->seq_lens = seq_lens.typed_data();
   st->query_start_loc = query_start_loc.typed_data();
   st->out = out->typed_data();
+  st->num_tokens = q_dims[0];
   st->num_seqs = t_dims[0];
   st->width = t_dims[1];
   st->num_kv_heads = k_dims[1];
@@ -134,7 +139,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   st->block_size = k_dims[3];
   st->head_dim = k_dims[4];
   st->group = group;
-  st->layer = layer.typed_data()[0];
+  st->layer = std::clamp<int64_t>(layer.typed_data()[0], 0, k_dims[0] - 1);
   st->window = window.typed_data()[0];
   st->scale = scale;
   st->soft_cap = soft_cap;

@@ -4,9 +4,11 @@ The reference (`reference.py`) gathers each token's whole block table, which for
 prefill chunk is 512 copies of the same pages. Here the work is split the way the Pallas
 kernels split their grid, as two `while_loop`s whose trip counts are the step's real work:
 
-- decode tiles: `decode_tile` sequences with one new token each, longest first, so a tile's
-  sequences have similar lengths; every token reads its own pages (a decode token reads its
-  context once, which is the cost of attention itself);
+- decode rows: on a float32 pool they go to the C++ kernel of `cpu_decode.py`, which reads
+  each K/V row in place (XLA:CPU cannot fuse these gathers into the dots); otherwise, decode
+  tiles: `decode_tile` sequences with one new token each, longest first, so a tile's sequences
+  have similar lengths; every token reads its own pages (a decode token reads its context
+  once, which is the cost of attention itself);
 - prefill tiles: `query_tile` consecutive new tokens of one sequence, which read the
   sequence's pages once for all of them, as matmuls.
 

@@ -83,12 +83,13 @@ def available() -> bool:
 
 def supports(q: jax.Array, cache: KVCache) -> bool:
     """Whether the kernel handles this call: a float32 pool, at most 8 query heads per KV head,
-    on the CPU, and the kernel built."""
+    a head_dim that is a multiple of 8, on the CPU, and the kernel built."""
     return (
         jax.default_backend() == "cpu"
         and cache.k.dtype == jnp.float32
         and cache.k_scale is None
         and q.shape[1] // cache.k.shape[1] <= MAX_GROUP
+        and q.shape[2] % 8 == 0
         and available()
     )
 

@@ -95,6 +95,22 @@ def test_random_steps_in_one_bucket_compile_once(decode_kernel):
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("group", range(1, cpu_decode.MAX_GROUP + 1))
+def test_kernel_every_group_size(group):
+    """Every group size the kernel specialises, with block sizes whose pages end mid-vector
+    (5, 12), a head_dim with a tail chunk (80 = 10 x 8 floats), a sliding window, and contexts
+    of 1 key up to many pages."""
+    seqs = [(1, 1), (1, 9), (1, 61), (1, 130), (1, 17)]
+    for block_size, head_dim, window in [(5, 80, None), (12, 64, 23), (16, 32, None)]:
+        q, cache, metadata = make_case(
+            group, seqs, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim
+        )
+        kwargs = dict(scale=head_dim**-0.5, sliding_window=window)
+        assert cpu_decode.supports(q, cache)
+        out = cpu_decode.paged_decode_cpu(q, cache, 1, metadata, **kwargs)
+        assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
+
+
 def test_fp8_pool_with_per_head_scales():
     q, cache, metadata = make_case(
         2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5

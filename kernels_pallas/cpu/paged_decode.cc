@@ -3,13 +3,20 @@
 // XLA:CPU cannot fuse a page gather into a dot: the XLA path copies every page of a decode
 // tile, then runs batched matmuls with 3-8 columns over the copy, and reaches about 3 GB/s of
 // K/V. Here each (sequence, KV head) pair walks its block table and reads every K/V row once,
-// in place, for all query heads of its group, with an online softmax in float32; pairs are
-// shared among XLA's intra-op threads.
+// in place, for all query heads of its group; pairs are shared among XLA's intra-op threads.
+//
+// A pair takes two passes over its pages, both bound by memory bandwidth (random 4 KB pages
+// read at about 10 GB/s on a 2-core VM), so each prefetches two pages ahead:
+//   1. scores of every key for the group's query heads, 8 keys per dot (one reduction for 8);
+//   2. after an exact max and a vectorized exp, probabilities times V, with the group's
+//      accumulators held in registers while a V row is read once for all of them.
+// Softmax runs in float32 and needs no rescaling, since pass 1 saw every score.
 //
 // Inputs (float32 pool only; other dtypes take the XLA path):
 //   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; layer [1]; window [1] (<= 0: none);
 //   block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
 // Output: [T, Hq, D]; rows of sequences whose q_len is 1 are written, all others are zero.
+// D must be a multiple of 8 and Hq / Hkv at most 8 (cpu_decode.supports checks both).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -20,9 +27,17 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDJAX_AVX2 1
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
+
+constexpr int kMaxGroup = 8;
+constexpr int64_t kPrefetchPages = 2;  // how far ahead pages are prefetched
 
 struct Step {
   const float* q;
@@ -39,7 +54,173 @@ struct Step {
   std::atomic<int64_t> done{0};
 };
 
-void AttendOne(const Step& st, int64_t item, std::vector<float>& scores, std::vector<float>& acc) {
+// Touches every cache line of `bytes` from `p` so that they arrive while this page is used.
+inline void Prefetch(const float* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+}
+
+#ifdef PAGEDJAX_AVX2
+
+inline float HorizontalSum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[i] = q . k[i * D ...] for the 8 rows of k.
+inline void Dot8(const float* q, const float* k, int64_t D, float* out) {
+  __m256 a[8];
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), a[i]);
+  }
+  // Lane i of the result is the sum of a[i]: three rounds of pairwise adds.
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                      _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+}
+
+inline float Dot(const float* a, const float* b, int64_t D) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8)
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s);
+  return HorizontalSum(s);
+}
+
+// exp(x) as 2^n * exp(r) with n = round(x / ln 2) and a degree-7 polynomial for |r| <= ln2 / 2
+// (within 2 ulp of expf); exp(x) for x < -87 (below float's normal range) is 0.
+inline __m256 Exp(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// x[i] = exp(x[i] - m) for i < n; returns their sum.
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = HorizontalSum(sum);
+  if (i < n) {  // the tail, through the same Exp
+    alignas(32) float tail[8];
+    std::fill(tail, tail + 8, -INFINITY);
+    std::copy(x + i, x + n, tail);
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_load_ps(tail), mv));
+    _mm256_store_ps(tail, e);
+    std::copy(tail, tail + (n - i), x + i);
+    total += HorizontalSum(e);
+  }
+  return total;
+}
+
+// The fixed-count loops below carry `#pragma GCC unroll`: unrolled early, the __m256 arrays
+// live in registers; otherwise GCC stores them to the stack every row (1.5x slower).
+
+// acc[j][c * 8 ...] += sum over the n rows t of v: p[j * stride + t] * v[t][c * 8 ...], for
+// the C 8-float chunks from `chunk` on; G * C accumulators stay in registers across rows.
+template <int G, int C>
+inline void AccumulateChunk(const float* p, int64_t stride, const float* v, int64_t n,
+                            int64_t D, int64_t chunk, float* acc) {
+  __m256 a[G][C];
+  #pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[j][c] = _mm256_loadu_ps(acc + j * D + (chunk + c) * 8);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 row[C];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) row[c] = _mm256_loadu_ps(v + t * D + (chunk + c) * 8);
+    #pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p + j * stride + t);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[j][c] = _mm256_fmadd_ps(pj, row[c], a[j][c]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + j * D + (chunk + c) * 8, a[j][c]);
+}
+
+template <int G>
+void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
+                float* acc) {
+  // The widest chunk whose G x C accumulators, a V row chunk and a broadcast fit in 16 ymm.
+  constexpr int C = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
+  const int64_t chunks = D / 8;
+  int64_t chunk = 0;
+  for (; chunk + C <= chunks; chunk += C) AccumulateChunk<G, C>(p, stride, v, n, D, chunk, acc);
+  for (; chunk < chunks; ++chunk) AccumulateChunk<G, 1>(p, stride, v, n, D, chunk, acc);
+}
+
+#else  // portable loops for compilers without AVX2 and FMA
+
+inline float Dot(const float* a, const float* b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void Dot8(const float* q, const float* k, int64_t D, float* out) {
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) out[i] = Dot(q, k + i * D, D);
+}
+
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - m));
+  return total;
+}
+
+template <int G>
+void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
+                float* acc) {
+  for (int64_t t = 0; t < n; ++t)
+    #pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const float pj = p[j * stride + t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[j * D + d] += pj * v[t * D + d];
+    }
+}
+
+#endif
+
+using AccumulateFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
+    nullptr,        Accumulate<1>, Accumulate<2>, Accumulate<3>, Accumulate<4>,
+    Accumulate<5>, Accumulate<6>, Accumulate<7>, Accumulate<8>};
+
+// Per-thread buffers: scores (then probabilities) of the group's heads, and accumulators.
+struct Scratch {
+  std::vector<float> scores, acc;
+};
+
+void AttendOne(const Step& st, int64_t item, Scratch& scratch) {
   const int64_t s = item / st.num_kv_heads, h = item % st.num_kv_heads;
   if (st.query_start_loc[s + 1] - st.query_start_loc[s] != 1) return;  // not a decode row
   const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
@@ -47,54 +228,63 @@ void AttendOne(const Step& st, int64_t item, std::vector<float>& scores, std::ve
   if (row < 0 || row >= st.num_tokens) return;
   // Clipped into the block table and the pool, as the XLA path clips its gathers: tables are
   // checked where they are built, and a bad one must not read outside the pool.
-  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * st.block_size);
+  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * bs);
   const int64_t start = st.window > 0 ? std::max<int64_t>(0, len - st.window) : 0;
+  const int64_t span = len - start;  // keys seen, and the stride of a head's scores
+  float* o = st.out + (row * num_q_heads + h * g) * D;
+  if (span <= 0) return;
   const float* q = st.q + (row * num_q_heads + h * g) * D;
   const int64_t head_pages = (st.layer * st.num_kv_heads + h) * st.num_blocks;
-  float m[8], total[8];
-  std::fill(m, m + g, -INFINITY);
-  std::fill(total, total + g, 0.f);
-  std::fill(acc.begin(), acc.begin() + g * D, 0.f);
+  const int32_t* table = st.tables + s * st.width;
+  float* scores = scratch.scores.data();
+  float* acc = scratch.acc.data();
+  // Blocks first_block..last_block hold keys start..len-1; a block's page in a pool.
+  const int64_t first_block = start / bs, last_block = (len - 1) / bs, page_floats = bs * D;
+  auto page = [&](const float* pool, int64_t block) {
+    return pool + (head_pages + std::clamp<int64_t>(table[block], 0, st.num_blocks - 1)) *
+                      page_floats;
+  };
+  auto prefetch_ahead = [&](const float* pool, int64_t block) {
+    if (block <= last_block) Prefetch(page(pool, block), page_floats * 4);
+  };
 
-  for (int64_t first = start; first < len;) {
-    const int64_t page = std::clamp<int64_t>(st.tables[s * st.width + first / bs], 0,
-                                             st.num_blocks - 1);
-    const int64_t offset = first % bs, n = std::min(bs - offset, len - first);
-    const float* k_rows = st.k + ((head_pages + page) * bs + offset) * D;
-    const float* v_rows = st.v + ((head_pages + page) * bs + offset) * D;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* key = k_rows + t * D;
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = q + j * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qj[d] * key[d];
-        float score = dot * st.scale;
-        if (st.soft_cap > 0.f) score = st.soft_cap * std::tanh(score / st.soft_cap);
-        scores[j * bs + t] = score;
-      }
-    }
+  // Pass 1: scores[j * span + key - start].
+  for (int64_t b = first_block; b < first_block + kPrefetchPages; ++b) prefetch_ahead(st.k, b);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    prefetch_ahead(st.k, b + kPrefetchPages);
+    const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
+    const float* k = page(st.k, b) + (lo - b * bs) * D;
     for (int64_t j = 0; j < g; ++j) {
-      const float* sj = scores.data() + j * bs;
-      float m_new = m[j];
-      for (int64_t t = 0; t < n; ++t) m_new = std::max(m_new, sj[t]);
-      const float alpha = std::exp(m[j] - m_new);
-      float* a = acc.data() + j * D;
-      total[j] *= alpha;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = std::exp(sj[t] - m_new);
-        const float* value = v_rows + t * D;
-        total[j] += p;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * value[d];
-      }
-      m[j] = m_new;
+      float* sj = scores + j * span + (lo - start);
+      int64_t t = 0;
+      for (; t + 8 <= count; t += 8) Dot8(q + j * D, k + t * D, D, sj + t);
+      for (; t < count; ++t) sj[t] = Dot(q + j * D, k + t * D, D);
     }
-    first += n;
   }
-  float* o = st.out + (row * num_q_heads + h * g) * D;
+  for (int64_t b = first_block; b < first_block + kPrefetchPages; ++b) prefetch_ahead(st.v, b);
+
+  // Softmax per head, exact: pass 1 saw every score.
+  float total[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = scores + j * span;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < span; ++t) {
+      float score = sj[t] * st.scale;
+      if (st.soft_cap > 0.f) score = st.soft_cap * std::tanh(score / st.soft_cap);
+      sj[t] = score;
+      m = std::max(m, score);
+    }
+    total[j] = ExpShiftedSum(sj, span, m);
+  }
+
+  // Pass 2: acc[j] = sum over keys of p[j][key] * v[key].
+  std::fill(acc, acc + g * D, 0.f);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    prefetch_ahead(st.v, b + kPrefetchPages);
+    const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
+    const float* v = page(st.v, b) + (lo - b * bs) * D;
+    kAccumulate[g](scores + (lo - start), span, v, count, D, acc);
+  }
   for (int64_t j = 0; j < g; ++j) {
     const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
     for (int64_t d = 0; d < D; ++d) o[j * D + d] = acc[j * D + d] * inv;
@@ -103,9 +293,10 @@ void AttendOne(const Step& st, int64_t item, std::vector<float>& scores, std::ve
 
 // Takes (sequence, head) pairs until none is left; every thread runs this.
 void Drain(Step& st, int64_t num_items) {
-  std::vector<float> scores(st.group * st.block_size), acc(st.group * st.head_dim);
+  Scratch scratch{std::vector<float>(st.group * st.width * st.block_size),
+                  std::vector<float>(st.group * st.head_dim)};
   for (int64_t i; (i = st.next.fetch_add(1)) < num_items;) {
-    AttendOne(st, i, scores, acc);
+    AttendOne(st, i, scratch);
     st.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -120,8 +311,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (q_dims.size() != 3 || k_dims.size() != 5 || t_dims.size() != 2)
     return ffi::Error::InvalidArgument("paged_decode: unexpected ranks");
   const int64_t group = q_dims[1] / k_dims[1];
-  if (group < 1 || group > 8 || q_dims[1] % k_dims[1] != 0)
+  if (group < 1 || group > kMaxGroup || q_dims[1] % k_dims[1] != 0)
     return ffi::Error::InvalidArgument("paged_decode: query heads per KV head must be 1-8");
+  if (k_dims[4] % 8 != 0)
+    return ffi::Error::InvalidArgument("paged_decode: head_dim must be a multiple of 8");
   // Shared with helper tasks that may start after this call returns: owned by all of them.
   auto st = std::make_shared<Step>();
   st->q = q.typed_data();

@@ -2,7 +2,7 @@
 
 Params are a pytree of arrays with the layers stacked on a leading axis:
 
-    embed        [V, H]
+    embed        [V, H]             packed and tied: absent (the packed LM head serves lookups)
     layers:
       attn_norm  [L, H]
       wqkv       [L, H, Q + 2 KV]   q, k and v projections fused at load time
@@ -14,16 +14,16 @@ Params are a pytree of arrays with the layers stacked on a leading axis:
       w_gate_up  [L, H, 2 I]        gate and up projections fused at load time
       w_down     [L, I, H]
     final_norm   [H]
-    lm_head      [H, V]             absent when the embeddings are tied
+    lm_head      [H, V]             absent when the embeddings are tied (packed: always present)
 
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
 
-`split_layer_weights` turns the four matmul weights into tuples of per-layer arrays (transposed to
-[out, in]), for XLA:CPU:
-there, slicing layer i out of a stacked weight inside the scan is a copy, which at batch 1 costs
-more than the matmul itself (it doubled the decode step of the default model). A tuple is read
-in place through a `lax.switch` on the layer index, one matmul per branch.
+`pack_matmul_weights` prepares the weights for XLA:CPU: the four matmul weights become tuples of
+per-layer weights packed for `cpu_matmul` (which XLA would otherwise repack on every call), and
+the LM head is packed too. Tuples, because slicing layer i out of a stacked weight inside the
+scan is a copy there, which at batch 1 costs more than the matmul itself; a tuple is read in
+place through a `lax.switch` on the layer index, one matmul per branch.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.cpu_matmul import PackedWeight, pack, packed_columns, packed_matmul
 from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
@@ -45,25 +46,30 @@ AttentionFn = Callable[..., jax.Array]
 MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def split_layer_weights(params: Params) -> Params:
-    """Params with each stacked matmul weight [L, in, out] replaced by a tuple of L transposed
-    [out, in] arrays: XLA:CPU runs x @ w.T 12-19% faster than x @ w at 32-64 rows with weights
-    streamed from memory (measured on the default model's shapes; equal at 1 row)."""
+def pack_matmul_weights(params: Params) -> Params:
+    """Params for XLA:CPU: each stacked matmul weight [L, in, out] becomes a tuple of L
+    `PackedWeight`s, and the LM head one `PackedWeight`. With tied embeddings the packed head
+    is the embeddings' transpose and replaces them (the token lookup reads it)."""
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        layers[name] = tuple(w.T for w in layers[name])
-    return {**params, "layers": layers}
+        layers[name] = tuple(pack(w) for w in layers[name])
+    if "lm_head" in params:
+        return {**params, "layers": layers, "lm_head": pack(params["lm_head"])}
+    rest = {k: v for k, v in params.items() if k != "embed"}
+    return {**rest, "layers": layers, "lm_head": pack(params["embed"].T)}
 
 
-def _matmul_transposed(x: jax.Array, weight_t: jax.Array) -> jax.Array:
-    """x [T, in] @ weight_t[out, in].T -> [T, out]."""
-    return jax.lax.dot_general(x, weight_t, (((1,), (1,)), ((), ())))
+def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
+    """[T] ids -> [T, H] embeddings, from the table or, when packed and tied, the LM head."""
+    if "embed" in params:
+        return params["embed"][token_ids]
+    return packed_columns(params["lm_head"], token_ids)
 
 
 def layer_matmul(x: jax.Array, weight: jax.Array | tuple, layer: jax.Array) -> jax.Array:
-    """x @ weight[layer], for a stacked weight or a tuple of transposed per-layer weights."""
+    """x @ weight[layer], for a stacked weight or a tuple of packed per-layer weights."""
     if isinstance(weight, tuple):
-        return jax.lax.switch(layer, [lambda x, w=w: _matmul_transposed(x, w) for w in weight], x)
+        return jax.lax.switch(layer, [lambda x, w=w: packed_matmul(x, w) for w in weight], x)
     return x @ weight[layer]
 
 
@@ -147,7 +153,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a step's flat tokens; returns final-normed hidden states [T, H]
     and the pool with this step's K/V written into it."""
-    x = params["embed"][token_ids]
+    x = embed_tokens(params, token_ids)
     cos, sin = rope_cos_sin(config, positions)
     # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
     weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
@@ -179,8 +185,11 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled."""
-    if "lm_head" in params:
-        return (hidden @ params["lm_head"]).astype(jnp.float32)
+    head = params.get("lm_head")
+    if isinstance(head, PackedWeight):
+        return packed_matmul(hidden, head).astype(jnp.float32)
+    if head is not None:
+        return (hidden @ head).astype(jnp.float32)
     return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)
 
 

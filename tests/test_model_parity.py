@@ -13,7 +13,7 @@ from kernels_pallas.kv_cache import allocate_kv_cache
 from kernels_pallas.metadata import build_metadata, token_positions
 from kernels_pallas.reference import ragged_paged_attention
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
-from models.llama import forward_logits_jit, split_layer_weights
+from models.llama import forward_logits_jit, pack_matmul_weights
 from models.loader import load_model
 from tests.conftest import TINY_MODELS
 
@@ -68,7 +68,7 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention
     config, params = load_model(path)
     attention_fn = ragged_paged_attention if attention == "reference" else SMALL_TILES
     if attention == "xla":
-        params = split_layer_weights(params)
+        params = pack_matmul_weights(params)
     rng = np.random.default_rng(2)
     lengths = [19, 6, 26]
     seqs = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]

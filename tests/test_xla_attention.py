@@ -23,7 +23,7 @@ from attention_cases import (
     ragged_case,
 )
 
-from kernels_pallas import cpu_decode
+from kernels_pallas import cpu_decode, cpu_kernels
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
 
@@ -31,8 +31,8 @@ SMALL_TILES = dict(decode_tile=2, query_tile=8, key_chunk=16, decode_kernel=Fals
 
 
 def test_cpu_decode_kernel_builds():
-    """The C++ kernel builds here, so the default-tile cases below exercise it."""
-    assert cpu_decode.available()
+    """The C++ kernels build here, so the default-tile cases below exercise the decode kernel."""
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("tiles", ["small", "default"])
@@ -133,14 +133,14 @@ def test_failed_kernel_build_falls_back_to_xla_loops(monkeypatch):
     q, cache, metadata = make_case(
         4, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
     )
-    monkeypatch.setattr(cpu_decode, "_build", no_compiler)
-    cpu_decode.available.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
+    cpu_kernels.available.cache_clear()
     try:
         with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
             assert not cpu_decode.supports(q, cache)
         out = ragged_paged_attention_xla(q, cache, 1, metadata, scale=0.125)
     finally:
-        cpu_decode.available.cache_clear()
+        cpu_kernels.available.cache_clear()
     assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
 
 

@@ -25,7 +25,7 @@ from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT, allocate_kv_cache, cop
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
 from models.config import ModelConfig
-from models.llama import AttentionFn, Params, forward_logits, split_layer_weights
+from models.llama import AttentionFn, Params, forward_logits, pack_matmul_weights
 from pagedjax.sampler import (
     SamplerOutput,
     build_sampling_metadata,
@@ -145,8 +145,8 @@ class ModelRunner:
         attention_fn: AttentionFn = ragged_paged_attention_xla,
         kv_dtype: jnp.dtype = jnp.float32,
     ):
-        if jax.default_backend() == "cpu":  # see split_layer_weights
-            params = split_layer_weights(params)
+        if jax.default_backend() == "cpu":  # see pack_matmul_weights
+            params = pack_matmul_weights(params)
         self.config, self.params, self.attention_fn = config, params, attention_fn
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(

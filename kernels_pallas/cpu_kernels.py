@@ -1,0 +1,81 @@
+"""Builds and registers the C++ kernels for XLA:CPU (`cpu/*.cc`), called through the XLA FFI.
+
+The sources are compiled together with the system C++ compiler on first use, against the FFI
+headers that jaxlib ships, into one library in a cache directory keyed by the sources and the
+jax version (several seconds, once). If no compiler is found or the build fails, `available()`
+is False, a warning says why, and callers take their XLA path instead;
+`PAGEDJAX_DISABLE_CPU_KERNEL=1` does the same on purpose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cc"))
+# FFI target name -> the handler symbol the sources export.
+TARGETS = {
+    "pagedjax_paged_decode": "PagedDecode",
+    "pagedjax_packed_matmul": "PackedMatmul",
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDJAX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagedjax"
+    )
+    return Path(root)
+
+
+def _build() -> Path:
+    key = hashlib.sha256(jax.__version__.encode() + jax.lib.__version__.encode())
+    for source in SOURCES:
+        key.update(source.name.encode() + source.read_bytes())
+    library = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        command = [
+            compiler, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+            "-w", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built),
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(built, library)  # atomic: concurrent builds leave one complete file
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (once) and registers the kernels; False, with a warning, if that fails."""
+    if os.environ.get("PAGEDJAX_DISABLE_CPU_KERNEL"):
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+        for target, symbol in TARGETS.items():
+            capsule = jax.ffi.pycapsule(getattr(library, symbol))
+            jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as error:
+        warnings.warn(f"C++ CPU kernels unavailable, using XLA instead: {error}", stacklevel=2)
+        return False
+    return True
+
+
+def usable() -> bool:
+    """Whether the kernels run here: the CPU backend, and built."""
+    return jax.default_backend() == "cpu" and available()

@@ -4,7 +4,8 @@ matmul FLOP/s for the model's own shapes, in the same run.
     python benchmarks/roofline.py [--requests 32] [--max-num-seqs 64]
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
-(the MLP, QKV, output projections and the LM head), the best of them taken as the ceiling.
+(the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
+CPU matmul kernel (`kernels_pallas/cpu_matmul.py`); the best of them is the ceiling.
 Model FLOPs of the engine run: 2 x (layer parameters) per computed token, 2 x H x V per
 sampled row (the LM head runs only on those), and attention 4 x context x heads x head_dim
 per token per layer (causal: a query at position p attends to p + 1 keys). Achieved FLOP/s is
@@ -38,19 +39,24 @@ def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
         "w_down": (inter, h),
         "lm_head": (h, config.vocab_size),
     }
-    matmul = jax.jit(lambda x, w: x @ w)
+    from kernels_pallas.cpu_matmul import pack, packed_matmul
+
+    kinds = {"xla": (jax.jit(lambda x, w: x @ w), lambda w: w), "packed": (packed_matmul, pack)}
     result = {}
     for t in tokens:
         for name, (k, n) in shapes.items():
             x = jnp.asarray(np.random.default_rng(0).normal(size=(t, k)), jnp.float32)
             w = jnp.asarray(np.random.default_rng(1).normal(size=(k, n)), jnp.float32)
-            matmul(x, w).block_until_ready()
-            times = []
-            for _ in range(7):
-                start = time.perf_counter()
-                matmul(x, w).block_until_ready()
-                times.append(time.perf_counter() - start)
-            result[f"matmul_gflops_T{t}_{name}"] = 2 * t * k * n / statistics.median(times) / 1e9
+            for kind, (matmul, prepare) in kinds.items():
+                weight = prepare(w)
+                matmul(x, weight).block_until_ready()
+                times = []
+                for _ in range(7):
+                    start = time.perf_counter()
+                    matmul(x, weight).block_until_ready()
+                    times.append(time.perf_counter() - start)
+                gflops = 2 * t * k * n / statistics.median(times) / 1e9
+                result[f"matmul_gflops_T{t}_{name}_{kind}"] = gflops
     return result
 
 

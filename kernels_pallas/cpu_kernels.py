@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cc"))
+HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 # FFI target name -> the handler symbol the sources export.
 TARGETS = {
     "pagedjax_paged_decode": "PagedDecode",
@@ -38,7 +39,7 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     key = hashlib.sha256(jax.__version__.encode() + jax.lib.__version__.encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.name.encode() + source.read_bytes())
     library = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():

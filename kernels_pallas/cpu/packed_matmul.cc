@@ -12,18 +12,10 @@
 //
 // Inputs: x [M, K]; packed [P, K, 24]; attr columns = N <= 24 P. Output: [M, N].
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
-#include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDJAX_AVX2 1
-#endif
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -76,32 +68,6 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>};
 
-struct Call {
-  const float* x;
-  const float* packed;
-  float* out;
-  int64_t M, K, N, panels, panels_per_item;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void Run(Call& call, int64_t num_items) {
-  for (int64_t item; (item = call.next.fetch_add(1)) < num_items;) {
-    const int64_t first = item * call.panels_per_item;
-    const int64_t last = std::min(call.panels, first + call.panels_per_item);
-    for (int64_t p = first; p < last; ++p) {
-      const float* panel = call.packed + p * call.K * kPanel;
-      const int64_t cols = std::min(kPanel, call.N - p * kPanel);
-      for (int64_t m = 0; m < call.M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, call.M - m);
-        kTile[rows](call.x + m * call.K, call.K, panel, call.K, call.out + m * call.N + p * kPanel,
-                    call.N, cols);
-      }
-    }
-    call.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> packed, int64_t columns,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -110,22 +76,23 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("packed_matmul: expected x [M, K], packed [P, K, 24]");
   if (columns <= 0 || columns > p_dims[0] * kPanel || out->dimensions()[1] != columns)
     return ffi::Error::InvalidArgument("packed_matmul: columns out of the packed range");
-  auto call = std::make_shared<Call>();  // shared with helpers that may start after we return
-  call->x = x.typed_data();
-  call->packed = packed.typed_data();
-  call->out = out->typed_data();
-  call->M = x_dims[0];
-  call->K = x_dims[1];
-  call->N = columns;
-  call->panels = (columns + kPanel - 1) / kPanel;
+  const float* xs = x.typed_data();
+  const float* weights = packed.typed_data();
+  float* result = out->typed_data();
+  const int64_t M = x_dims[0], K = x_dims[1], N = columns;
+  const int64_t panels = (N + kPanel - 1) / kPanel;
   // About four items per thread, so that a slow thread does not hold up the others.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  call->panels_per_item = std::max<int64_t>(1, call->panels / (4 * threads));
-  const int64_t num_items = (call->panels + call->panels_per_item - 1) / call->panels_per_item;
-  const int64_t helpers = std::min(threads, num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([call, num_items] { Run(*call, num_items); });
-  Run(*call, num_items);
-  while (call->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
+  const int64_t per_item = std::max<int64_t>(1, panels / (4 * std::max<int64_t>(1, pool.num_threads())));
+  pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
+    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m);
+        kTile[rows](xs + m * K, K, weights + p * K * kPanel, K, result + m * N + p * kPanel, N,
+                    cols);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -18,19 +18,11 @@
 // Output: [T, Hq, D]; rows of sequences whose q_len is 1 are written, all others are zero.
 // D must be a multiple of 8 and Hq / Hkv at most 8 (cpu_decode.supports checks both).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDJAX_AVX2 1
-#endif
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -50,8 +42,6 @@ struct Step {
   int64_t num_tokens, num_seqs, width, num_kv_heads, num_blocks, block_size, head_dim, group, layer;
   int32_t window;
   float scale, soft_cap;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
 // Touches every cache line of `bytes` from `p` so that they arrive while this page is used.
@@ -215,7 +205,7 @@ constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
     nullptr,        Accumulate<1>, Accumulate<2>, Accumulate<3>, Accumulate<4>,
     Accumulate<5>, Accumulate<6>, Accumulate<7>, Accumulate<8>};
 
-// Per-thread buffers: scores (then probabilities) of the group's heads, and accumulators.
+// Per-thread buffers, at least as large as a call needs: scores (then probabilities) of the group's heads, and accumulators.
 struct Scratch {
   std::vector<float> scores, acc;
 };
@@ -291,16 +281,6 @@ void AttendOne(const Step& st, int64_t item, Scratch& scratch) {
   }
 }
 
-// Takes (sequence, head) pairs until none is left; every thread runs this.
-void Drain(Step& st, int64_t num_items) {
-  Scratch scratch{std::vector<float>(st.group * st.width * st.block_size),
-                  std::vector<float>(st.group * st.head_dim)};
-  for (int64_t i; (i = st.next.fetch_add(1)) < num_items;) {
-    AttendOne(st, i, scratch);
-    st.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
@@ -315,36 +295,35 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_decode: query heads per KV head must be 1-8");
   if (k_dims[4] % 8 != 0)
     return ffi::Error::InvalidArgument("paged_decode: head_dim must be a multiple of 8");
-  // Shared with helper tasks that may start after this call returns: owned by all of them.
-  auto st = std::make_shared<Step>();
-  st->q = q.typed_data();
-  st->k = k.typed_data();
-  st->v = v.typed_data();
-  st->tables = tables.typed_data();
-  st->seq_lens = seq_lens.typed_data();
-  st->query_start_loc = query_start_loc.typed_data();
-  st->out = out->typed_data();
-  st->num_tokens = q_dims[0];
-  st->num_seqs = t_dims[0];
-  st->width = t_dims[1];
-  st->num_kv_heads = k_dims[1];
-  st->num_blocks = k_dims[2];
-  st->block_size = k_dims[3];
-  st->head_dim = k_dims[4];
-  st->group = group;
-  st->layer = std::clamp<int64_t>(layer.typed_data()[0], 0, k_dims[0] - 1);
-  st->window = window.typed_data()[0];
-  st->scale = scale;
-  st->soft_cap = soft_cap;
-  std::fill(st->out, st->out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
+  Step step;
+  step.q = q.typed_data();
+  step.k = k.typed_data();
+  step.v = v.typed_data();
+  step.tables = tables.typed_data();
+  step.seq_lens = seq_lens.typed_data();
+  step.query_start_loc = query_start_loc.typed_data();
+  step.out = out->typed_data();
+  step.num_tokens = q_dims[0];
+  step.num_seqs = t_dims[0];
+  step.width = t_dims[1];
+  step.num_kv_heads = k_dims[1];
+  step.num_blocks = k_dims[2];
+  step.block_size = k_dims[3];
+  step.head_dim = k_dims[4];
+  step.group = group;
+  step.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, k_dims[0] - 1);
+  step.window = window.typed_data()[0];
+  step.scale = scale;
+  step.soft_cap = soft_cap;
+  std::fill(step.out, step.out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
 
-  const int64_t num_items = st->num_seqs * st->num_kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st, num_items] { Drain(*st, num_items); });
-  Drain(*st, num_items);
-  // Every pair was taken; wait for the helpers still finishing theirs (a helper that starts
-  // late finds nothing left and touches no buffer).
-  while (st->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
+  const size_t num_scores = group * step.width * step.block_size, num_acc = group * step.head_dim;
+  pagedjax::ParallelFor(pool, step.num_seqs * step.num_kv_heads, [&](int64_t item) {
+    thread_local Scratch scratch;  // grown, never shrunk: no zero-fill per pair
+    if (scratch.scores.size() < num_scores) scratch.scores.resize(num_scores);
+    if (scratch.acc.size() < num_acc) scratch.acc.resize(num_acc);
+    AttendOne(step, item, scratch);
+  });
   return ffi::Error::Success();
 }
 

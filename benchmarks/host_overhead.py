@@ -28,15 +28,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps measured")
     args = parser.parse_args()
 
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
+    block_size = default_block_size()
     llm = LLM(
         None,
         max_model_len=512,
         max_num_batched_tokens=max(512, args.running),
         max_num_seqs=args.running,
-        num_kv_blocks=1 + args.running * 24,
+        num_kv_blocks=1 + args.running * -(-384 // block_size),
     )
     engine = llm.llm_engine
     engine.runner.warmup()

@@ -42,7 +42,7 @@ def main() -> None:
     from kernels_pallas.metadata import build_metadata, token_positions
     from models.llama import forward_logits_jit
     from models.loader import load_model, load_tokenizer
-    from pagedjax.config import EngineConfig
+    from pagedjax.config import EngineConfig, default_block_size
     from pagedjax.engine import LLMEngine
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
@@ -63,7 +63,11 @@ def main() -> None:
     def generate(kv_cache_dtype: str) -> list[list[int]]:
         llm = LLM.__new__(LLM)  # reuse the loaded weights: build the engine directly
         llm.llm_engine = LLMEngine(
-            EngineConfig(max_model_len=512, num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype),
+            EngineConfig(
+                max_model_len=512,
+                num_kv_blocks=8192 // default_block_size(),
+                kv_cache_dtype=kv_cache_dtype,
+            ),
             config,
             params,
             tokenizer,

@@ -94,15 +94,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
 
     rates = [float(r) for r in args.rates.split(",")]
+    block_size = default_block_size()
     llm = LLM(
         None,
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + args.requests * -(-(200 + args.tokens) // 16),
+        num_kv_blocks=1 + args.requests * -(-(200 + args.tokens) // block_size),
     )
     engine = llm.llm_engine
     warmup_s = engine.runner.warmup()

@@ -42,7 +42,7 @@ def main() -> None:
 
     start = time.perf_counter()
     from models.loader import load_model, load_tokenizer, resolve_model_path
-    from pagedjax.config import EngineConfig
+    from pagedjax.config import EngineConfig, default_block_size
     from pagedjax.engine import LLMEngine
 
     imported = time.perf_counter()
@@ -51,7 +51,10 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     tokenizer_loaded = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(max_model_len=1024, num_kv_blocks=256), config, params, tokenizer
+        EngineConfig(max_model_len=1024, num_kv_blocks=4096 // default_block_size()),
+        config,
+        params,
+        tokenizer,
     )
 
     text = tokenizer.apply_chat_template(

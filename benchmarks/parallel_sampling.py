@@ -49,10 +49,11 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
 
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
 
     ns = [int(n) for n in args.ns.split(",")]
-    per_seq = -(-(args.prompt_tokens + args.tokens) // 16)
+    per_seq = -(-(args.prompt_tokens + args.tokens) // default_block_size())
     llm = LLM(
         None,
         max_model_len=args.prompt_tokens + args.tokens,

@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from models.loader import load_model, load_tokenizer
-    from pagedjax.config import EngineConfig
+    from pagedjax.config import EngineConfig, default_block_size
     from pagedjax.engine import LLMEngine
 
     model_config, params = load_model(None)
@@ -82,16 +82,17 @@ def main() -> None:
         for i in range(args.requests)
     ]
     longest = max(len(p) for p in prompts) + args.tokens
+    block_size = default_block_size()
     result = {
         "workload": f"{args.requests} requests, shared system prompt, {args.tokens} new tokens",
         "prompt_tokens_each": f"{min(map(len, prompts))}-{max(map(len, prompts))}",
     }
     for mode, caching in (("caching_on", True), ("caching_off", False)):
         config = EngineConfig(
-            max_model_len=-(-longest // 16) * 16,
+            max_model_len=-(-longest // block_size) * block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=1 + args.requests * -(-longest // 16),
+            num_kv_blocks=1 + args.requests * -(-longest // block_size),
             enable_prefix_caching=caching,
         )
         engine = LLMEngine(config, model_config, params, tokenizer)

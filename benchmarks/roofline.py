@@ -79,17 +79,22 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="first N of W2's 256 requests")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
     args = parser.parse_args()
 
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
+    max_model_len = 1024
+    block_size = args.block_size or default_block_size()
     llm = LLM(
         None,
-        max_model_len=1024,
+        max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + args.requests * 64,
+        block_size=block_size,
+        num_kv_blocks=1 + args.requests * -(-max_model_len // block_size),
     )
     config = llm.llm_engine.model_config
     peak = matmul_peak(config, (args.max_num_seqs, args.max_num_batched_tokens))
@@ -104,7 +109,8 @@ def main() -> None:
     flops = model_flops(config, [len(p) for p in prompts], outputs_lens)
     best = max(peak.values())
     result = {
-        "workload": f"W2: first {args.requests} requests, max_num_seqs {args.max_num_seqs}",
+        "workload": f"W2: first {args.requests} requests, max_num_seqs {args.max_num_seqs}, "
+        f"block_size {block_size}",
         "seconds": elapsed,
         "model_gflop": flops / 1e9,
         "achieved_gflops": flops / elapsed / 1e9,

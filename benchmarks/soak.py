@@ -32,10 +32,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="requests added per wave")
     args = parser.parse_args()
 
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    llm = LLM(None, max_model_len=256, num_kv_blocks=1024, max_num_seqs=64)
+    pool_tokens = 16384
+    llm = LLM(
+        None, max_model_len=256, num_kv_blocks=pool_tokens // default_block_size(), max_num_seqs=64
+    )
     engine = llm.llm_engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

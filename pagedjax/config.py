@@ -9,11 +9,26 @@ ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas")
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8")
 
 
+def default_block_size(platform: str | None = None) -> int:
+    """Tokens per KV block when the config gives none: 16 on a GPU (vLLM's default; a decode
+    page of 16 x 128 bf16 is 4 KiB), 64 on the CPU. On the CPU a page is one KV head's
+    block_size x head_dim float32 tile, and pages of a running request lie wherever the free
+    list put them: reads of scattered 4 KiB pages (16 x 64 float32) reached 10-11 GB/s on a
+    2-core VM against 17-19 GB/s for 16 KiB ones, and at 128 running requests of 250-750
+    tokens a decode step took 17% less time with blocks of 64 than of 16 (128: about as 64).
+    Larger blocks make prefix caching coarser: only whole blocks are shared."""
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return 16 if platform == "gpu" else 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2 model
     max_model_len: int = 2048  # prompt + output tokens of one request
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: default_block_size()
     num_kv_blocks: int | None = None  # explicit pool size (the null block included)
     # Pool budget when num_kv_blocks is not given. None: on a GPU, gpu_memory_utilization of
     # device memory minus weights and the profiled activation peak; on the CPU, 1 GiB.
@@ -36,7 +51,7 @@ class EngineConfig:
                 raise ValueError(message)
 
         check(
-            self.block_size in SUPPORTED_BLOCK_SIZES,
+            self.block_size is None or self.block_size in SUPPORTED_BLOCK_SIZES,
             f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}",
         )
         check(self.max_model_len >= 1, f"max_model_len must be positive: {self.max_model_len}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ import numpy as np
 from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
-from pagedjax.config import EngineConfig
+from pagedjax.config import EngineConfig, default_block_size
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.memory import KVCacheSpec
@@ -85,6 +85,8 @@ class LLMEngine:
     ):
         from models.loader import load_model, load_tokenizer
 
+        if config.block_size is None:
+            config = replace(config, block_size=default_block_size())
         self.config = config
         dtype = jnp.dtype(config.dtype)
         if model_config is None or params is None:

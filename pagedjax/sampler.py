@@ -43,10 +43,11 @@ class SamplingMetadata:
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [S] i32
-    logprobs: jax.Array  # [S] f32, raw logprob of each sampled token
-    top_token_ids: jax.Array  # [S, num_logprobs] i32
-    top_logprobs: jax.Array  # [S, num_logprobs] f32
     finite: jax.Array  # [S] bool: False when a row's logits hold NaN or inf (its token is junk)
+    # The rest only when logprobs are asked for (num_logprobs is not None):
+    logprobs: jax.Array | None = None  # [S] f32, raw logprob of each sampled token
+    top_token_ids: jax.Array | None = None  # [S, num_logprobs] i32
+    top_logprobs: jax.Array | None = None  # [S, num_logprobs] f32
 
 
 def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -142,15 +143,17 @@ def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
 def sample(
     logits: jax.Array,  # [S, V] f32
     meta: SamplingMetadata,
-    num_logprobs: int = 0,
+    num_logprobs: int | None = None,
     use_penalties: bool = True,
     use_truncation: bool = True,
     all_greedy: bool = False,
 ) -> SamplerOutput:
     """Samples one token per row. The static flags let an all-greedy, penalty-free batch skip
-    the [S, V] sort, scatters and noise."""
+    the [S, V] sort, scatters and noise, and a batch that asks for no logprobs (None, as
+    SamplingParams.logprobs) skip the log-softmax, the costliest [S, V] pass left on the CPU.
+    num_logprobs 0 returns the sampled tokens' logprobs only."""
+    raw_logits = logits
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if use_penalties:
         logits = apply_penalties(logits, meta)
     logits = apply_logit_bias(logits, meta)
@@ -160,10 +163,13 @@ def sample(
         tokens = greedy_tokens
     else:
         tokens = _draw_rows(logits, greedy_tokens, meta, use_truncation)
+    if num_logprobs is None:
+        return SamplerOutput(tokens, finite)
 
+    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, finite)
+    return SamplerOutput(tokens, finite, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def _draw_rows(

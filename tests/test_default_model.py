@@ -31,9 +31,16 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
+    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
 
-    return LLM(None, max_model_len=512, max_num_batched_tokens=256, num_kv_blocks=512)
+    pool_tokens = 8192
+    return LLM(
+        None,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        num_kv_blocks=pool_tokens // default_block_size(),
+    )
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

@@ -320,6 +320,16 @@ def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
     assert fp8.kv.kv_spec.bytes_per_block(16) * 4 == f32.kv.kv_spec.bytes_per_block(16)
 
 
+def test_block_size_defaults_by_platform(tiny):
+    from pagedjax.config import default_block_size
+
+    assert EngineConfig().block_size is None
+    assert (default_block_size("gpu"), default_block_size("cpu")) == (16, 64)
+    assert make_engine(tiny).config.block_size == default_block_size()
+    explicit = make_engine(tiny, block_size=8)
+    assert explicit.config.block_size == explicit.kv.block_size == 8
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

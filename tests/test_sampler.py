@@ -40,6 +40,18 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     )
 
 
+def test_without_logprobs_the_same_tokens_and_no_logprob_arrays():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=t, seed=s) for s, t in enumerate([0, 1, 0, 0.5, 2, 0])]
+    with_logprobs = run(logits, params, num_logprobs=0)
+    without = run(logits, params, num_logprobs=None)
+    np.testing.assert_array_equal(
+        np.asarray(without.token_ids), np.asarray(with_logprobs.token_ids)
+    )
+    np.testing.assert_array_equal(np.asarray(without.finite), np.asarray(with_logprobs.finite))
+    assert without.logprobs is None and without.top_logprobs is None
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     logits = random_logits(6)
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]

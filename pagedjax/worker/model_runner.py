@@ -287,7 +287,8 @@ class ModelRunner:
             extra_bias=[r.extra_bias for r in rows],
             history_width=self.max_blocks_per_seq * self.block_size,
         )
-        num_logprobs = max((p.logprobs or 0 for p in params), default=0)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        num_logprobs = max(wanted) if wanted else None
         out: SamplerOutput = sample(
             logits,
             meta,
@@ -299,7 +300,7 @@ class ModelRunner:
         n = len(rows)
         token_ids = np.asarray(out.token_ids)[:n]
         finite = np.asarray(out.finite)[:n]
-        if not any(p.logprobs is not None for p in params):
+        if num_logprobs is None:
             return StepResult(token_ids, finite, None, None, None)
         return StepResult(
             token_ids,

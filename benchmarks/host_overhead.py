@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import make_prompts  # noqa: E402
+from workloads import kv_blocks, make_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -28,17 +28,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps measured")
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    block_size = default_block_size()
     llm = LLM(
         None,
         max_model_len=512,
         max_num_batched_tokens=max(512, args.running),
         max_num_seqs=args.running,
-        num_kv_blocks=1 + args.running * -(-384 // block_size),
+        num_kv_blocks=kv_blocks(args.running, 384),
     )
     engine = llm.llm_engine
     engine.runner.warmup()

@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -42,7 +43,7 @@ def main() -> None:
     from kernels_pallas.metadata import build_metadata, token_positions
     from models.llama import forward_logits_jit
     from models.loader import load_model, load_tokenizer
-    from pagedjax.config import EngineConfig, default_block_size
+    from pagedjax.config import EngineConfig
     from pagedjax.engine import LLMEngine
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
@@ -64,9 +65,7 @@ def main() -> None:
         llm = LLM.__new__(LLM)  # reuse the loaded weights: build the engine directly
         llm.llm_engine = LLMEngine(
             EngineConfig(
-                max_model_len=512,
-                num_kv_blocks=8192 // default_block_size(),
-                kv_cache_dtype=kv_cache_dtype,
+                max_model_len=512, num_kv_blocks=kv_blocks(1, 8192), kv_cache_dtype=kv_cache_dtype
             ),
             config,
             params,

@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 from report import RESULTS, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import make_prompts, poisson_arrivals  # noqa: E402
+from workloads import kv_blocks, make_prompts, poisson_arrivals  # noqa: E402
 
 
 def run_rate(engine, prompts, arrivals, tokens: int, tag: str) -> dict:
@@ -94,17 +94,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
 
     rates = [float(r) for r in args.rates.split(",")]
-    block_size = default_block_size()
     llm = LLM(
         None,
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + args.requests * -(-(200 + args.tokens) // block_size),
+        num_kv_blocks=kv_blocks(args.requests, 200 + args.tokens),
     )
     engine = llm.llm_engine
     warmup_s = engine.runner.warmup()

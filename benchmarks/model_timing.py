@@ -14,6 +14,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -42,7 +43,7 @@ def main() -> None:
 
     start = time.perf_counter()
     from models.loader import load_model, load_tokenizer, resolve_model_path
-    from pagedjax.config import EngineConfig, default_block_size
+    from pagedjax.config import EngineConfig
     from pagedjax.engine import LLMEngine
 
     imported = time.perf_counter()
@@ -51,7 +52,7 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     tokenizer_loaded = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(max_model_len=1024, num_kv_blocks=4096 // default_block_size()),
+        EngineConfig(max_model_len=1024, num_kv_blocks=kv_blocks(1, 4096)),
         config,
         params,
         tokenizer,

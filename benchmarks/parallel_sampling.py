@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import sized_prompts  # noqa: E402
+from workloads import kv_blocks, sized_prompts  # noqa: E402
 
 
 def run(engine, prompts: list[list[int]], n: int, tokens: int, tag: str) -> tuple[int, int, float]:
@@ -49,17 +49,16 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
 
     ns = [int(n) for n in args.ns.split(",")]
-    per_seq = -(-(args.prompt_tokens + args.tokens) // default_block_size())
     llm = LLM(
         None,
         max_model_len=args.prompt_tokens + args.tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + args.prompts * max(ns) * per_seq,  # room even without sharing
+        # room even without sharing
+        num_kv_blocks=kv_blocks(args.prompts * max(ns), args.prompt_tokens + args.tokens),
         enable_prefix_caching=False,
     )
     engine = llm.llm_engine

@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, chat_ids, system_prompt  # noqa: E402
+from workloads import TOPICS, chat_ids, kv_blocks, system_prompt  # noqa: E402
 
 
 def run(engine, prompts: list[list[int]], tokens: int) -> dict:
@@ -92,7 +92,7 @@ def main() -> None:
             max_model_len=-(-longest // block_size) * block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=1 + args.requests * -(-longest // block_size),
+            num_kv_blocks=kv_blocks(args.requests, longest, block_size),
             enable_prefix_caching=caching,
         )
         engine = LLMEngine(config, model_config, params, tokenizer)

@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import w2  # noqa: E402
+from workloads import kv_blocks, w2  # noqa: E402
 
 
 def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
@@ -94,7 +94,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         block_size=block_size,
-        num_kv_blocks=1 + args.requests * -(-max_model_len // block_size),
+        num_kv_blocks=kv_blocks(args.requests, max_model_len, block_size),
     )
     config = llm.llm_engine.model_config
     peak = matmul_peak(config, (args.max_num_seqs, args.max_num_batched_tokens))

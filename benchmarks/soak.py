@@ -16,6 +16,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -32,14 +33,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="requests added per wave")
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    pool_tokens = 16384
-    llm = LLM(
-        None, max_model_len=256, num_kv_blocks=pool_tokens // default_block_size(), max_num_seqs=64
-    )
+    llm = LLM(None, max_model_len=256, num_kv_blocks=kv_blocks(1, 16384), max_num_seqs=64)
     engine = llm.llm_engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size

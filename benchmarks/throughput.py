@@ -25,7 +25,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import make_prompts, w2  # noqa: E402
+from workloads import kv_blocks, make_prompts, w2  # noqa: E402
 
 
 def run_peer(prompts: list[list[int]], max_tokens: list[int], batches: list[int]) -> dict:
@@ -113,7 +113,7 @@ def main() -> None:
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=1 + max(count * -(-longest // bs), max_model_len // bs),
+        num_kv_blocks=max(kv_blocks(count, longest, bs), kv_blocks(1, max_model_len, bs)),
         block_size=bs,
     )
     if w1:

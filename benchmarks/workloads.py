@@ -20,6 +20,14 @@ TOPICS = [
 ]
 
 
+def kv_blocks(requests: int, tokens_each: int, block_size: int | None = None) -> int:
+    """num_kv_blocks that holds `requests` requests of up to `tokens_each` tokens at once, plus
+    the null block. block_size None: the engine's default on this platform."""
+    from pagedjax.config import default_block_size
+
+    return 1 + requests * -(-tokens_each // (block_size or default_block_size()))
+
+
 def chat_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
     """Token ids of one chat-templated user turn (optionally after a system turn)."""
     messages = [{"role": "system", "content": system}] if system else []

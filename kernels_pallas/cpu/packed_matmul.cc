@@ -82,7 +82,8 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = x_dims[0], K = x_dims[1], N = columns;
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // About four items per thread, so that a slow thread does not hold up the others.
-  const int64_t per_item = std::max<int64_t>(1, panels / (4 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::max<int64_t>(1, panels / (4 * threads));
   pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
     for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);

@@ -205,7 +205,8 @@ constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
     nullptr,        Accumulate<1>, Accumulate<2>, Accumulate<3>, Accumulate<4>,
     Accumulate<5>, Accumulate<6>, Accumulate<7>, Accumulate<8>};
 
-// Per-thread buffers, at least as large as a call needs: scores (then probabilities) of the group's heads, and accumulators.
+// Per-thread buffers, at least as large as a call needs: scores (then probabilities) of the
+// group's heads, and accumulators.
 struct Scratch {
   std::vector<float> scores, acc;
 };

@@ -1,15 +1,21 @@
 """Roofline: the engine's achieved model FLOP/s on W2 against this machine's measured float32
 matmul FLOP/s for the model's own shapes, in the same run.
 
-    python benchmarks/roofline.py [--requests 32] [--max-num-seqs 64]
+    python benchmarks/roofline.py [--requests 256] [--max-num-seqs 128]
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
 (the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
 CPU matmul kernel (`kernels_pallas/cpu_matmul.py`); the best of them is the ceiling.
-Model FLOPs of the engine run: 2 x (layer parameters) per computed token, 2 x H x V per
-sampled row (the LM head runs only on those), and attention 4 x context x heads x head_dim
-per token per layer (causal: a query at position p attends to p + 1 keys). Achieved FLOP/s is
-their sum over the run's wall time, so it includes everything the engine does in between.
+Model FLOPs of a step: 2 x (layer parameters) per computed token, 2 x H x V per sampled row
+(the LM head runs only on those), and attention 4 x context x heads x head_dim per token per
+layer (causal: a query at position p attends to p + 1 keys), counted from the scheduler's
+decision of every step. Achieved FLOP/s is their sum over wall time, so it includes
+everything the engine does in between.
+
+Two figures: the whole run, and the steady state (the issue's target): from the step after
+the first request finishes to the last step that left requests waiting, while finished
+requests are replaced by new ones and the batch stays full. The whole run also holds the
+ramp-up and the drain, when the last few requests decode alone at batch sizes of 1-10.
 """
 
 from __future__ import annotations
@@ -60,24 +66,89 @@ def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
     return result
 
 
-def model_flops(config, prompt_lens: list[int], output_lens: list[int]) -> float:
-    """FLOPs of computing every prompt and output token once, plus one LM head row per output."""
-    layer_params = config.num_layer_params()
+def chunk_flops(config, start: int, num_new: int, sampled: int) -> float:
+    """FLOPs of computing tokens start .. start + num_new - 1 of one sequence and sampling
+    `sampled` rows from its last one."""
     attention_per_key = 4 * config.num_layers * config.num_heads * config.head_dim
-    total = 0.0
-    for prompt, output in zip(prompt_lens, output_lens, strict=True):
-        # The last output token is sampled but never fed back, so prompt + output - 1 are computed.
-        computed = prompt + output - 1
-        total += 2 * layer_params * computed
-        total += attention_per_key * computed * (computed + 1) / 2
-        total += 2 * config.hidden_size * config.vocab_size * output
-    return total
+    keys = num_new * start + num_new * (num_new + 1) // 2  # query p attends to p + 1 keys
+    return (
+        2 * config.num_layer_params() * num_new
+        + attention_per_key * keys
+        + 2 * config.hidden_size * config.vocab_size * sampled
+    )
+
+
+class StepLog:
+    """Wraps the scheduler's `schedule` to record, per step, the FLOPs of what it scheduled
+    and whether requests were left waiting."""
+
+    def __init__(self, scheduler, config) -> None:
+        self.scheduler, self.config = scheduler, config
+        self.schedule = scheduler.schedule
+        scheduler.schedule = self
+        self.flops: list[float] = []
+        self.waiting: list[bool] = []
+
+    def __call__(self):
+        out = self.schedule()
+        self.flops.append(
+            sum(
+                chunk_flops(self.config, seq.num_computed_tokens, n,
+                            int(seq.num_computed_tokens + n >= seq.num_tokens))
+                for seq, n in out.scheduled
+            )
+        )  # fmt: skip
+        self.waiting.append(bool(self.scheduler.waiting))
+        return out
+
+
+def run(llm, prompts: list, params: list) -> dict:
+    """Drives the engine step by step; FLOP/s of the whole run and of the steady state."""
+    engine = llm.llm_engine
+    log = StepLog(engine.scheduler, engine.model_config)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    ends, first_finish, finished = [], None, []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        ends.append(time.perf_counter())
+        finished += [o for o in outputs if o.finished]
+        if first_finish is None and finished:
+            first_finish = len(ends) - 1
+    engine.scheduler.schedule = log.schedule
+    total = sum(log.flops)
+    # Each request's tokens computed once (the last output is sampled, never fed back): the
+    # step log must add up to this, unless preemption made the engine recompute some.
+    useful = sum(
+        chunk_flops(engine.model_config, 0, len(o.prompt_token_ids) + n - 1, n)
+        for o in finished
+        for n in [len(o.outputs[0].token_ids)]
+    )
+    result = {
+        "steps": len(ends),
+        "step_flops_over_request_flops": total / useful,
+        "seconds": ends[-1] - start,
+        "model_gflop": total / 1e9,
+        "achieved_gflops": total / (ends[-1] - start) / 1e9,
+    }
+    last_waiting = max((i for i, w in enumerate(log.waiting) if w), default=-1)
+    if first_finish is not None and last_waiting > first_finish:
+        # Steps first_finish + 1 .. last_waiting: from the end of step first_finish on.
+        window = slice(first_finish + 1, last_waiting + 1)
+        seconds = ends[last_waiting] - ends[first_finish]
+        result["steady_steps"] = last_waiting - first_finish
+        result["steady_seconds"] = seconds
+        result["steady_gflops"] = sum(log.flops[window]) / seconds / 1e9
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=32, help="first N of W2's 256 requests")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256, help="first N of W2's 256 requests")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=128, help="running requests at once (engine default)"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
     args = parser.parse_args()
@@ -94,7 +165,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         block_size=block_size,
-        num_kv_blocks=kv_blocks(args.requests, max_model_len, block_size),
+        num_kv_blocks=kv_blocks(min(args.requests, args.max_num_seqs), max_model_len, block_size),
     )
     config = llm.llm_engine.model_config
     peak = matmul_peak(config, (args.max_num_seqs, args.max_num_batched_tokens))
@@ -102,22 +173,18 @@ def main() -> None:
     prompts, max_tokens = prompts[: args.requests], max_tokens[: args.requests]
     llm.llm_engine.runner.warmup()
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    outputs_lens = [len(o.outputs[0].token_ids) for o in outputs]
-    flops = model_flops(config, [len(p) for p in prompts], outputs_lens)
+    result = run(llm, prompts, params)
     best = max(peak.values())
     result = {
         "workload": f"W2: first {args.requests} requests, max_num_seqs {args.max_num_seqs}, "
         f"block_size {block_size}",
-        "seconds": elapsed,
-        "model_gflop": flops / 1e9,
-        "achieved_gflops": flops / elapsed / 1e9,
+        **result,
         "peak_matmul_gflops (best model shape)": best,
-        "fraction_of_peak": flops / elapsed / 1e9 / best,
-        **peak,
+        "fraction_of_peak": result["achieved_gflops"] / best,
     }
+    if "steady_gflops" in result:
+        result["steady_fraction_of_peak"] = result["steady_gflops"] / best
+    result.update(peak)
     report("roofline", result)
 
 

@@ -25,8 +25,9 @@ SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cc"))
 HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 # FFI target name -> the handler symbol the sources export.
 TARGETS = {
-    "pagedjax_paged_decode": "PagedDecode",
+    "pagedjax_paged_attention": "PagedAttention",
     "pagedjax_packed_matmul": "PackedMatmul",
+    "pagedjax_greedy_sample": "GreedySample",
 }
 
 

@@ -1,14 +1,13 @@
-"""Ragged paged attention as XLA loops over a work list: the fast path on CPU.
+"""Ragged paged attention on CPU: the C++ kernel of `cpu_attention.py` for a float32 pool,
+otherwise XLA loops over a work list.
 
 The reference (`reference.py`) gathers each token's whole block table, which for a 512-token
 prefill chunk is 512 copies of the same pages. Here the work is split the way the Pallas
 kernels split their grid, as two `while_loop`s whose trip counts are the step's real work:
 
-- decode rows: on a float32 pool they go to the C++ kernel of `cpu_decode.py`, which reads
-  each K/V row in place (XLA:CPU cannot fuse these gathers into the dots); otherwise, decode
-  tiles: `decode_tile` sequences with one new token each, longest first, so a tile's sequences
-  have similar lengths; every token reads its own pages (a decode token reads its context
-  once, which is the cost of attention itself);
+- decode tiles: `decode_tile` sequences with one new token each, longest first, so a tile's
+  sequences have similar lengths; every token reads its own pages (a decode token reads its
+  context once, which is the cost of attention itself);
 - prefill tiles: `query_tile` consecutive new tokens of one sequence, which read the
   sequence's pages once for all of them, as matmuls.
 
@@ -25,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import cpu_decode
+from kernels_pallas import cpu_attention
 from kernels_pallas.kv_cache import NULL_BLOCK, KVCache
 from kernels_pallas.metadata import AttentionMetadata
 
@@ -69,10 +68,21 @@ def ragged_paged_attention_xla(
     decode_tile: int = 16,
     query_tile: int = 64,
     key_chunk: int = 256,
-    decode_kernel: bool = True,
+    cpu_kernel: bool = True,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
-    """Same contract and result as `reference.ragged_paged_attention`. `decode_kernel`: decode
-    rows go to the C++ kernel (`cpu_decode.py`) where it supports the call."""
+    """Same contract and result as `reference.ragged_paged_attention`. `cpu_kernel`: the C++
+    kernel (`cpu_attention.py`) takes the whole call where it supports it."""
+    if cpu_kernel and cpu_attention.supports(q, cache):
+        out = cpu_attention.paged_attention_cpu(
+            q.astype(jnp.float32),
+            cache,
+            layer,
+            metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+        return out.astype(q.dtype)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = cache.k.shape[1], cache.k.shape[3]
     group = num_q_heads // num_kv_heads
@@ -113,56 +123,45 @@ def ragged_paged_attention_xla(
     def finish(total, acc):
         return jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
 
-    if decode_kernel and cpu_decode.supports(q, cache):
-        out = cpu_decode.paged_decode_cpu(
-            q.astype(jnp.float32),
-            cache,
-            layer,
-            metadata,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-        ).reshape(num_tokens, num_kv_heads, group, head_dim)
-    else:
-        out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+    out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
 
-        # Decode tiles: sequences whose only new token is their last, longest first.
-        is_decode = q_lens == 1
-        num_decode = jnp.sum(is_decode, dtype=jnp.int32)
-        decode_tile = min(decode_tile, num_seqs)
-        decode_order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1), stable=True)
-        decode_order = jnp.pad(decode_order.astype(jnp.int32), (0, decode_tile))
+    # Decode tiles: sequences whose only new token is their last, longest first.
+    is_decode = q_lens == 1
+    num_decode = jnp.sum(is_decode, dtype=jnp.int32)
+    decode_tile = min(decode_tile, num_seqs)
+    decode_order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1), stable=True)
+    decode_order = jnp.pad(decode_order.astype(jnp.int32), (0, decode_tile))
 
-        def decode_body(i, out):
-            slot = i * decode_tile + jnp.arange(decode_tile)
-            seq = jax.lax.dynamic_slice(decode_order, (i * decode_tile,), (decode_tile,))
-            seq_len = jnp.where(slot < num_decode, seq_lens[seq], 0)  # [Gd]
-            row, table = qsl[seq], tables[seq]
-            q_tile = qg[row]  # [Gd, Hkv, g, D]
+    def decode_body(i, out):
+        slot = i * decode_tile + jnp.arange(decode_tile)
+        seq = jax.lax.dynamic_slice(decode_order, (i * decode_tile,), (decode_tile,))
+        seq_len = jnp.where(slot < num_decode, seq_lens[seq], 0)  # [Gd]
+        row, table = qsl[seq], tables[seq]
+        q_tile = qg[row]  # [Gd, Hkv, g, D]
 
-            def key_chunk_body(j, state):
-                pages = jax.lax.dynamic_slice_in_dim(table, j * chunk_blocks, chunk_blocks, axis=1)
-                k, v = _pages(cache, layer, pages)  # [Gd, Hkv, chunk, D]
-                # Matmul forms here and below are the ones XLA:CPU runs fastest (measured): plain
-                # batched matmuls, with only the small operand (q) transposed.
-                scores = scaled(k @ jnp.swapaxes(q_tile, -1, -2))  # [Gd, Hkv, chunk, g]
-                seen = visible(seq_len - 1, seq_len, j)[:, None, :, None]
-                m, total, alpha, p = online_softmax_step(state, scores, seen, axis=2)
-                pv = jnp.swapaxes(p, -1, -2) @ v  # [Gd, Hkv, g, D]
-                return m, total, alpha.transpose(0, 1, 3, 2) * state[2] + pv
+        def key_chunk_body(j, state):
+            pages = jax.lax.dynamic_slice_in_dim(table, j * chunk_blocks, chunk_blocks, axis=1)
+            k, v = _pages(cache, layer, pages)  # [Gd, Hkv, chunk, D]
+            # Matmul forms here and below are the ones XLA:CPU runs fastest (measured): plain
+            # batched matmuls, with only the small operand (q) transposed.
+            scores = scaled(k @ jnp.swapaxes(q_tile, -1, -2))  # [Gd, Hkv, chunk, g]
+            seen = visible(seq_len - 1, seq_len, j)[:, None, :, None]
+            m, total, alpha, p = online_softmax_step(state, scores, seen, axis=2)
+            pv = jnp.swapaxes(p, -1, -2) @ v  # [Gd, Hkv, g, D]
+            return m, total, alpha.transpose(0, 1, 3, 2) * state[2] + pv
 
-            state = (
-                jnp.full((decode_tile, num_kv_heads, 1, group), _MASKED),
-                jnp.zeros((decode_tile, num_kv_heads, 1, group)),
-                jnp.zeros((decode_tile, num_kv_heads, group, head_dim)),
-            )
-            num_chunks = (jnp.max(seq_len) + chunk - 1) // chunk
-            _, total, acc = jax.lax.fori_loop(0, num_chunks, key_chunk_body, state)
-            tile_out = finish(total.transpose(0, 1, 3, 2), acc)
-            return out.at[jnp.where(slot < num_decode, row, drop_row)].set(tile_out, mode="drop")
+        state = (
+            jnp.full((decode_tile, num_kv_heads, 1, group), _MASKED),
+            jnp.zeros((decode_tile, num_kv_heads, 1, group)),
+            jnp.zeros((decode_tile, num_kv_heads, group, head_dim)),
+        )
+        num_chunks = (jnp.max(seq_len) + chunk - 1) // chunk
+        _, total, acc = jax.lax.fori_loop(0, num_chunks, key_chunk_body, state)
+        tile_out = finish(total.transpose(0, 1, 3, 2), acc)
+        return out.at[jnp.where(slot < num_decode, row, drop_row)].set(tile_out, mode="drop")
 
-        num_decode_tiles = (num_decode + decode_tile - 1) // decode_tile
-        out = jax.lax.fori_loop(0, num_decode_tiles, decode_body, out)
+    num_decode_tiles = (num_decode + decode_tile - 1) // decode_tile
+    out = jax.lax.fori_loop(0, num_decode_tiles, decode_body, out)
 
     # Prefill tiles: up to `query_tile` consecutive new tokens of one sequence.
     query_tile = min(query_tile, num_tokens)

@@ -4,7 +4,8 @@ Order, as in vLLM: penalties and logit bias on the raw logits, then greedy argma
 temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model
 distribution. A draw is argmax(probs / Exp(1) noise), with each row's noise from its own key
 (request seed folded with the number of tokens it has generated), so a seeded request samples
-the same tokens whatever else is in the batch.
+the same tokens whatever else is in the batch. On the CPU, an all-greedy batch without
+penalties runs the bias, argmax and finite check as one C++ pass (`cpu_sampling.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import cpu_sampling
 from pagedjax.sampling_params import SamplingParams
 
 _NEG_INF = -jnp.inf
@@ -153,16 +155,10 @@ def sample(
     SamplingParams.logprobs) skip the log-softmax, the costliest [S, V] pass left on the CPU.
     num_logprobs 0 returns the sampled tokens' logprobs only."""
     raw_logits = logits
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    if use_penalties:
-        logits = apply_penalties(logits, meta)
-    logits = apply_logit_bias(logits, meta)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    if all_greedy:
-        tokens = greedy_tokens
+    if all_greedy and not use_penalties and cpu_sampling.supports(logits):
+        tokens, finite = cpu_sampling.greedy_sample(logits, meta.bias_token_ids, meta.bias_values)
     else:
-        tokens = _draw_rows(logits, greedy_tokens, meta, use_truncation)
+        tokens, finite = _sample_xla(logits, meta, use_penalties, use_truncation, all_greedy)
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
 
@@ -170,6 +166,24 @@ def sample(
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(tokens, finite, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _sample_xla(
+    logits: jax.Array,
+    meta: SamplingMetadata,
+    use_penalties: bool,
+    use_truncation: bool,
+    all_greedy: bool,
+) -> tuple[jax.Array, jax.Array]:
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if use_penalties:
+        logits = apply_penalties(logits, meta)
+    logits = apply_logit_bias(logits, meta)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    if all_greedy:
+        return greedy_tokens, finite
+    return _draw_rows(logits, greedy_tokens, meta, use_truncation), finite
 
 
 def _draw_rows(

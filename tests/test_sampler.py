@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.sampler import build_sampling_metadata, sample, truncate
+from pagedjax.sampler import _sample_xla, build_sampling_metadata, sample, truncate
 from pagedjax.sampling_params import SamplingParams
 
 V = 50
@@ -210,3 +212,59 @@ def test_top_k_keeps_every_token_tied_at_the_threshold():
     assert np.isfinite(np.asarray(truncate(logits, meta))).tolist() == [
         [True, True, True, True, False]
     ]
+
+
+def test_cpu_greedy_kernel_matches_xla():
+    """The C++ greedy pass (all-greedy batches without penalties, on the CPU) against XLA's
+    bias + argmax + finite check: ties (the first index wins), biases that lift a token over
+    the top, ban the top (the kernel's copy path) or repeat an id, rows with NaN or inf, and
+    a vocabulary that is not a multiple of 8."""
+    from kernels_pallas import cpu_kernels, cpu_sampling
+
+    assert cpu_kernels.available()
+    vocab = 1003
+    logits = np.random.default_rng(5).normal(0, 2, (10, vocab)).astype(np.float32)
+    logits[1, [7, 500, 900]] = 50.0  # ties: the first wins
+    logits[2, :] = 1.0  # all tied
+    logits[3, 10] = np.nan
+    logits[4, 20] = np.inf
+    logits[5, 1001] = 60.0  # the largest, in the scalar tail
+    logits[6, 3] = 40.0  # the largest, banned below
+    logits[7, :] = -np.inf
+    biases = [
+        {5: 100.0},  # lifted over the top
+        {7: -1.0},  # the first of three tied tops lowered: the second wins
+        {600: 0.0, 2: 0.0},  # a zero bias on a tied token: the lowest index still wins
+        {},
+        {},
+        {1002: 3.0},
+        {3: -np.inf},  # banned top: copy path
+        {},
+        {40: 10.0},  # repeated below: 10 + 30
+        {11: -np.inf, 12: 5.0},
+    ]
+    greedy = [SamplingParams(temperature=0)] * 10
+    meta = build_sampling_metadata(
+        greedy, [[]] * 10, [[]] * 10, list(range(10)), num_rows=10, extra_bias=biases
+    )
+    ids, values = np.asarray(meta.bias_token_ids).copy(), np.asarray(meta.bias_values).copy()
+    ids = np.pad(ids, ((0, 0), (0, 1)), constant_values=-1)
+    values = np.pad(values, ((0, 0), (0, 1)))
+    ids[8, -1], values[8, -1] = 40, 30.0
+    meta = dataclasses.replace(meta, bias_token_ids=ids, bias_values=values)
+
+    tokens, finite = cpu_sampling.greedy_sample(jnp.asarray(logits), ids, values)
+    want_tokens, want_finite = _sample_xla(
+        jnp.asarray(logits), meta, use_penalties=False, use_truncation=False, all_greedy=True
+    )
+    finite = np.asarray(finite)
+    np.testing.assert_array_equal(finite, np.asarray(want_finite))
+    np.testing.assert_array_equal(finite, np.isfinite(logits).all(-1))
+    np.testing.assert_array_equal(np.asarray(tokens)[finite], np.asarray(want_tokens)[finite])
+    dense = logits.copy()
+    np.add.at(dense, (np.arange(10)[:, None].repeat(ids.shape[1], 1)[ids >= 0], ids[ids >= 0]),
+              values[ids >= 0])  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(tokens)[finite], dense.argmax(-1)[finite])
+    assert list(np.asarray(tokens)[[0, 1, 2, 8]]) == [5, 500, 0, 40]
+    out = sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), np.asarray(tokens))

@@ -1,0 +1,585 @@
+// Ragged paged attention for XLA:CPU, called through the XLA FFI (see cpu_attention.py): every
+// row of a step, decode rows and prefill chunks, read from the paged pool in place.
+//
+// XLA:CPU cannot fuse a page gather into a dot: the XLA loops copy every page of a tile, then
+// run small batched matmuls over the copy (about 3 GB/s of K/V for decode, 15-20 GFLOP/s for
+// prefill). Here work items are shared among XLA's intra-op threads, prefill tiles first:
+//
+// - A decode row (q_len 1), per KV head, takes two passes over its pages, both bound by memory
+//   bandwidth (random 16 KB pages at about 16 GB/s on a 2-core VM), prefetching two pages ahead:
+//   1. scores of every key for the group's query heads, 8 keys per dot (one reduction for 8);
+//   2. after an exact max and a vectorized exp, probabilities times V, with the group's
+//      accumulators held in registers while a V row is read once for all of them.
+//   Softmax runs in float32 and needs no rescaling, since pass 1 saw every score.
+// - A prefill tile (up to kQueryTile queries of one sequence, per KV head: the group's heads
+//   x the tile's queries as rows) runs flash attention page by page: scores as a matmul
+//   against the page transposed, an online softmax in float32 (running max and sum, the
+//   accumulators rescaled when the max grows), probabilities times V as a second matmul;
+//   both matmuls in register blocks of kTileRows rows x 16 columns.
+//
+// Inputs (float32 pool only; other dtypes take the XLA path):
+//   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; layer [1]; window [1] (<= 0: none);
+//   block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
+// Output: [T, Hq, D]; rows of padding tokens are zero.
+// D must be a multiple of 8 and Hq / Hkv at most 8 (cpu_attention.supports checks both).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxGroup = 8;
+constexpr int64_t kPrefetchPages = 2;  // how far ahead pages are prefetched
+constexpr int64_t kQueryTile = 16;  // query tokens of one prefill work item
+constexpr int kTileRows = 6;  // rows of the prefill matmuls' register blocks
+
+struct Step {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  float* out;
+  int64_t num_tokens, num_seqs, width, num_kv_heads, num_blocks, block_size, head_dim, group, layer;
+  int32_t window;
+  float scale, soft_cap;
+};
+
+// Touches every cache line of `bytes` from `p` so that they arrive while this page is used.
+inline void Prefetch(const float* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+}
+
+#ifdef PAGEDJAX_AVX2
+
+inline float HorizontalSum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[i] = q . k[i * D ...] for the 8 rows of k.
+inline void Dot8(const float* q, const float* k, int64_t D, float* out) {
+  __m256 a[8];
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), a[i]);
+  }
+  // Lane i of the result is the sum of a[i]: three rounds of pairwise adds.
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                      _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+}
+
+inline float Dot(const float* a, const float* b, int64_t D) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8)
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s);
+  return HorizontalSum(s);
+}
+
+// exp(x) as 2^n * exp(r) with n = round(x / ln 2) and a degree-7 polynomial for |r| <= ln2 / 2
+// (within 2 ulp of expf); exp(x) for x < -87 (below float's normal range) is 0.
+inline __m256 Exp(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// x[i] = exp(x[i] - m) for i < n; returns their sum.
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = HorizontalSum(sum);
+  if (i < n) {  // the tail, through the same Exp
+    alignas(32) float tail[8];
+    std::fill(tail, tail + 8, -INFINITY);
+    std::copy(x + i, x + n, tail);
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_load_ps(tail), mv));
+    _mm256_store_ps(tail, e);
+    std::copy(tail, tail + (n - i), x + i);
+    total += HorizontalSum(e);
+  }
+  return total;
+}
+
+// The fixed-count loops below carry `#pragma GCC unroll`: unrolled early, the __m256 arrays
+// live in registers; otherwise GCC stores them to the stack every row (1.5x slower).
+
+// acc[j][c * 8 ...] += sum over the n rows t of v: p[j * stride + t] * v[t][c * 8 ...], for
+// the C 8-float chunks from `chunk` on; G * C accumulators stay in registers across rows.
+template <int G, int C>
+inline void AccumulateChunk(const float* p, int64_t stride, const float* v, int64_t n,
+                            int64_t D, int64_t chunk, float* acc) {
+  __m256 a[G][C];
+  #pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[j][c] = _mm256_loadu_ps(acc + j * D + (chunk + c) * 8);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 row[C];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) row[c] = _mm256_loadu_ps(v + t * D + (chunk + c) * 8);
+    #pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p + j * stride + t);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[j][c] = _mm256_fmadd_ps(pj, row[c], a[j][c]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + j * D + (chunk + c) * 8, a[j][c]);
+}
+
+template <int G>
+void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
+                float* acc) {
+  // The widest chunk whose G x C accumulators, a V row chunk and a broadcast fit in 16 ymm.
+  constexpr int C = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
+  const int64_t chunks = D / 8;
+  int64_t chunk = 0;
+  for (; chunk + C <= chunks; chunk += C) AccumulateChunk<G, C>(p, stride, v, n, D, chunk, acc);
+  for (; chunk < chunks; ++chunk) AccumulateChunk<G, 1>(p, stride, v, n, D, chunk, acc);
+}
+
+// x[i] *= scale for i < n; returns their max (-inf for n = 0).
+inline float ScaleMax(float* x, int64_t n, float scale) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), sv);
+    _mm256_storeu_ps(x + i, y);
+    mv = _mm256_max_ps(mv, y);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; i < n; ++i) m = std::max(m, x[i] *= scale);
+  return m;
+}
+
+// The prefill tiles' two matmuls, on register blocks of kTileRows rows x NV * 8 columns.
+// s[r][c] = sum over d of q[r][d] * kt[d][c]: q rows of D floats, kt (K transposed) rows of
+// ld_kt; s rows of ld_s.
+template <int NV>
+inline void ScoresBlock(const float* q, int64_t D, const float* kt, int64_t ld_kt, float* s,
+                        int64_t ld_s) {
+  __m256 a[kTileRows][NV];
+  #pragma GCC unroll 8
+  for (int r = 0; r < kTileRows; ++r)
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) a[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[NV];
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) k[c] = _mm256_loadu_ps(kt + d * ld_kt + c * 8);
+    #pragma GCC unroll 8
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m256 qr = _mm256_broadcast_ss(q + r * D + d);
+      #pragma GCC unroll 2
+      for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(qr, k[c], a[r][c]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < kTileRows; ++r)
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(s + r * ld_s + c * 8, a[r][c]);
+}
+
+// acc[r][c] += sum over the n keys t of p[r][t] * v[t][c]: p rows of ld_p, v and acc rows of D.
+template <int NV>
+inline void ValuesBlock(const float* p, int64_t ld_p, const float* v, int64_t D, int64_t n,
+                        float* acc) {
+  __m256 a[kTileRows][NV];
+  #pragma GCC unroll 8
+  for (int r = 0; r < kTileRows; ++r)
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(acc + r * D + c * 8);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 row[NV];
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) row[c] = _mm256_loadu_ps(v + t * D + c * 8);
+    #pragma GCC unroll 8
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * ld_p + t);
+      #pragma GCC unroll 2
+      for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(pr, row[c], a[r][c]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < kTileRows; ++r)
+    #pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + r * D + c * 8, a[r][c]);
+}
+
+#else  // portable loops for compilers without AVX2 and FMA
+
+inline float Dot(const float* a, const float* b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void Dot8(const float* q, const float* k, int64_t D, float* out) {
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) out[i] = Dot(q, k + i * D, D);
+}
+
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - m));
+  return total;
+}
+
+template <int G>
+void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
+                float* acc) {
+  for (int64_t t = 0; t < n; ++t)
+    #pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      const float pj = p[j * stride + t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[j * D + d] += pj * v[t * D + d];
+    }
+}
+
+inline float ScaleMax(float* x, int64_t n, float scale) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i] *= scale);
+  return m;
+}
+
+template <int NV>
+inline void ScoresBlock(const float* q, int64_t D, const float* kt, int64_t ld_kt, float* s,
+                        int64_t ld_s) {
+  for (int r = 0; r < kTileRows; ++r) {
+    float* sr = s + r * ld_s;
+    std::fill(sr, sr + NV * 8, 0.f);
+    for (int64_t d = 0; d < D; ++d)
+#pragma omp simd
+      for (int c = 0; c < NV * 8; ++c) sr[c] += q[r * D + d] * kt[d * ld_kt + c];
+  }
+}
+
+template <int NV>
+inline void ValuesBlock(const float* p, int64_t ld_p, const float* v, int64_t D, int64_t n,
+                        float* acc) {
+  for (int r = 0; r < kTileRows; ++r)
+    for (int64_t t = 0; t < n; ++t)
+#pragma omp simd
+      for (int c = 0; c < NV * 8; ++c) acc[r * D + c] += p[r * ld_p + t] * v[t * D + c];
+}
+
+#endif
+
+using AccumulateFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
+    nullptr,        Accumulate<1>, Accumulate<2>, Accumulate<3>, Accumulate<4>,
+    Accumulate<5>, Accumulate<6>, Accumulate<7>, Accumulate<8>};
+
+// Per-thread buffers, at least as large as a call needs. Decode: scores (then probabilities)
+// of the group's heads, and accumulators. Prefill: also the tile's queries, a K page
+// transposed, and the running max and sum of each query row.
+struct Scratch {
+  std::vector<float> scores, acc, queries, keys_t, max, sum;
+};
+
+// One decode row: sequence s (q_len 1), KV head h.
+void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
+  const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
+  const int64_t row = st.query_start_loc[s], num_q_heads = st.num_kv_heads * g;
+  if (row < 0 || row >= st.num_tokens) return;
+  // Clipped into the block table and the pool, as the XLA path clips its gathers: tables are
+  // checked where they are built, and a bad one must not read outside the pool.
+  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * bs);
+  const int64_t start = st.window > 0 ? std::max<int64_t>(0, len - st.window) : 0;
+  const int64_t span = len - start;  // keys seen, and the stride of a head's scores
+  float* o = st.out + (row * num_q_heads + h * g) * D;
+  if (span <= 0) return;
+  const float* q = st.q + (row * num_q_heads + h * g) * D;
+  const int64_t head_pages = (st.layer * st.num_kv_heads + h) * st.num_blocks;
+  const int32_t* table = st.tables + s * st.width;
+  float* scores = scratch.scores.data();
+  float* acc = scratch.acc.data();
+  // Blocks first_block..last_block hold keys start..len-1; a block's page in a pool.
+  const int64_t first_block = start / bs, last_block = (len - 1) / bs, page_floats = bs * D;
+  auto page = [&](const float* pool, int64_t block) {
+    return pool + (head_pages + std::clamp<int64_t>(table[block], 0, st.num_blocks - 1)) *
+                      page_floats;
+  };
+  auto prefetch_ahead = [&](const float* pool, int64_t block) {
+    if (block <= last_block) Prefetch(page(pool, block), page_floats * 4);
+  };
+
+  // Pass 1: scores[j * span + key - start].
+  for (int64_t b = first_block; b < first_block + kPrefetchPages; ++b) prefetch_ahead(st.k, b);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    prefetch_ahead(st.k, b + kPrefetchPages);
+    const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
+    const float* k = page(st.k, b) + (lo - b * bs) * D;
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + j * span + (lo - start);
+      int64_t t = 0;
+      for (; t + 8 <= count; t += 8) Dot8(q + j * D, k + t * D, D, sj + t);
+      for (; t < count; ++t) sj[t] = Dot(q + j * D, k + t * D, D);
+    }
+  }
+  for (int64_t b = first_block; b < first_block + kPrefetchPages; ++b) prefetch_ahead(st.v, b);
+
+  // Softmax per head, exact: pass 1 saw every score.
+  float total[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = scores + j * span;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < span; ++t) {
+      float score = sj[t] * st.scale;
+      if (st.soft_cap > 0.f) score = st.soft_cap * std::tanh(score / st.soft_cap);
+      sj[t] = score;
+      m = std::max(m, score);
+    }
+    total[j] = ExpShiftedSum(sj, span, m);
+  }
+
+  // Pass 2: acc[j] = sum over keys of p[j][key] * v[key].
+  std::fill(acc, acc + g * D, 0.f);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    prefetch_ahead(st.v, b + kPrefetchPages);
+    const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
+    const float* v = page(st.v, b) + (lo - b * bs) * D;
+    kAccumulate[g](scores + (lo - start), span, v, count, D, acc);
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[j * D + d] = acc[j * D + d] * inv;
+  }
+}
+
+// Rounds n up to a multiple of m.
+inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// One prefill tile: query tokens first .. first + kQueryTile - 1 of sequence s (q_len > 1),
+// for the g query heads of KV head h, as flash attention: per page of keys, scores of all the
+// tile's rows (a matmul against the page transposed), an online softmax in float32 (running
+// max and sum, accumulators rescaled when the max grows), then probabilities times V.
+// The g x n query rows are ordered head-major (row j * n + r) and padded to kTileRows.
+void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& scratch) {
+  const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
+  const int64_t num_q_heads = st.num_kv_heads * g;
+  const int64_t begin = std::clamp<int64_t>(st.query_start_loc[s], 0, st.num_tokens);
+  const int64_t end = std::clamp<int64_t>(st.query_start_loc[s + 1], begin, st.num_tokens);
+  const int64_t q_len = end - begin, n = std::min(kQueryTile, q_len - first);
+  if (n <= 0) return;
+  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * bs);
+  const int64_t pos0 = len - q_len + first;  // position of the tile's first query
+  const int64_t last_key = std::min(len - 1, pos0 + n - 1);  // inclusive
+  const int64_t first_key = st.window > 0 ? std::max<int64_t>(0, pos0 - st.window + 1) : 0;
+  if (last_key < first_key || last_key < 0) return;  // nothing visible: the rows stay zero
+  const int64_t rows = g * n, padded_rows = RoundUp(rows, kTileRows);
+  const int64_t cols = RoundUp(bs, 8);  // a page's keys, as whole vectors
+  float* queries = scratch.queries.data();
+  float* keys_t = scratch.keys_t.data();
+  float* scores = scratch.scores.data();
+  float* acc = scratch.acc.data();
+  float* max = scratch.max.data();
+  float* sum = scratch.sum.data();
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t r = 0; r < n; ++r) {
+      const float* q = st.q + ((begin + first + r) * num_q_heads + h * g + j) * D;
+      std::copy(q, q + D, queries + (j * n + r) * D);
+    }
+  std::fill(queries + rows * D, queries + padded_rows * D, 0.f);
+  std::fill(acc, acc + padded_rows * D, 0.f);
+  std::fill(max, max + padded_rows, -INFINITY);
+  std::fill(sum, sum + padded_rows, 0.f);
+  const int64_t head_pages = (st.layer * st.num_kv_heads + h) * st.num_blocks;
+  const int32_t* table = st.tables + s * st.width;
+  auto page = [&](const float* pool, int64_t block) {
+    return pool + (head_pages + std::clamp<int64_t>(table[block], 0, st.num_blocks - 1)) *
+                      bs * D;
+  };
+
+  for (int64_t b = first_key / bs; b <= last_key / bs; ++b) {
+    const int64_t lo = std::max(first_key, b * bs), count = std::min(last_key + 1, b * bs + bs) - lo;
+    const float* k = page(st.k, b) + (lo - b * bs) * D;
+    const float* v = page(st.v, b) + (lo - b * bs) * D;
+    // keys_t[d][t] = k[t][d], zero past `count`.
+    const int64_t width = RoundUp(count, 8);
+    for (int64_t d = 0; d < D; ++d) {
+      float* column = keys_t + d * cols;
+      for (int64_t t = 0; t < count; ++t) column[t] = k[t * D + d];
+      std::fill(column + count, column + width, 0.f);
+    }
+    for (int64_t r = 0; r < padded_rows; r += kTileRows) {
+      int64_t c = 0;
+      for (; c + 16 <= width; c += 16)
+        ScoresBlock<2>(queries + r * D, D, keys_t + c, cols, scores + r * cols + c, cols);
+      if (c < width) ScoresBlock<1>(queries + r * D, D, keys_t + c, cols, scores + r * cols + c, cols);
+    }
+    // Online softmax per row. Row i sees keys lo + t for t in [t_begin, t_end) (causal, the
+    // window, the page's end); the others get probability 0.
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t pos = pos0 + i % n;
+      const int64_t t_begin = st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1 - lo) : 0;
+      const int64_t t_end = std::min(count, pos - lo + 1);
+      float* row = scores + i * cols;
+      if (t_end <= t_begin) {  // no key of this page is visible to this row
+        std::fill(row, row + width, 0.f);
+        continue;
+      }
+      float* seen = row + t_begin;
+      const int64_t num_seen = t_end - t_begin;
+      float row_max;
+      if (st.soft_cap > 0.f) {
+        row_max = -INFINITY;
+        for (int64_t t = 0; t < num_seen; ++t)
+          row_max = std::max(row_max, seen[t] = st.soft_cap * std::tanh(seen[t] * st.scale / st.soft_cap));
+      } else {
+        row_max = ScaleMax(seen, num_seen, st.scale);
+      }
+      const float new_max = std::max(max[i], row_max);
+      const float alpha = std::exp(max[i] - new_max);  // 0 while max[i] is -inf
+      sum[i] = sum[i] * alpha + ExpShiftedSum(seen, num_seen, new_max);
+      max[i] = new_max;
+      std::fill(row, seen, 0.f);
+      std::fill(row + t_end, row + width, 0.f);
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= alpha;
+    }
+    for (int64_t i = rows; i < padded_rows; ++i) std::fill(scores + i * cols, scores + i * cols + width, 0.f);
+    for (int64_t r = 0; r < padded_rows; r += kTileRows) {
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16)
+        ValuesBlock<2>(scores + r * cols, cols, v + d, D, count, acc + r * D + d);
+      if (d < D) ValuesBlock<1>(scores + r * cols, cols, v + d, D, count, acc + r * D + d);
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t i = j * n + r;
+      const float inv = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+      float* o = st.out + ((begin + first + r) * num_q_heads + h * g + j) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] * inv;
+    }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                              float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  const auto q_dims = q.dimensions(), k_dims = k.dimensions(), t_dims = tables.dimensions();
+  if (q_dims.size() != 3 || k_dims.size() != 5 || t_dims.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: unexpected ranks");
+  const int64_t group = q_dims[1] / k_dims[1];
+  if (group < 1 || group > kMaxGroup || q_dims[1] % k_dims[1] != 0)
+    return ffi::Error::InvalidArgument("paged_attention: query heads per KV head must be 1-8");
+  if (k_dims[4] % 8 != 0)
+    return ffi::Error::InvalidArgument("paged_attention: head_dim must be a multiple of 8");
+  Step step;
+  step.q = q.typed_data();
+  step.k = k.typed_data();
+  step.v = v.typed_data();
+  step.tables = tables.typed_data();
+  step.seq_lens = seq_lens.typed_data();
+  step.query_start_loc = query_start_loc.typed_data();
+  step.out = out->typed_data();
+  step.num_tokens = q_dims[0];
+  step.num_seqs = t_dims[0];
+  step.width = t_dims[1];
+  step.num_kv_heads = k_dims[1];
+  step.num_blocks = k_dims[2];
+  step.block_size = k_dims[3];
+  step.head_dim = k_dims[4];
+  step.group = group;
+  step.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, k_dims[0] - 1);
+  step.window = window.typed_data()[0];
+  step.scale = scale;
+  step.soft_cap = soft_cap;
+  std::fill(step.out, step.out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
+
+  // Work items, prefill tiles first (the larger ones, so that the threads finish together):
+  // {sequence, KV head, first query of the tile, or -1 for a decode row}.
+  struct Item {
+    int32_t seq, head, first;
+  };
+  std::vector<Item> items;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t s = 0; s < step.num_seqs; ++s) {
+      const int64_t q_len = step.query_start_loc[s + 1] - step.query_start_loc[s];
+      if (pass == 0 && q_len > 1) {
+        for (int64_t first = 0; first < q_len; first += kQueryTile)
+          for (int64_t h = 0; h < step.num_kv_heads; ++h)
+            items.push_back({int32_t(s), int32_t(h), int32_t(first)});
+      } else if (pass == 1 && q_len == 1) {
+        for (int64_t h = 0; h < step.num_kv_heads; ++h)
+          items.push_back({int32_t(s), int32_t(h), -1});
+      }
+    }
+  const int64_t cols = RoundUp(step.block_size, 8), rows = RoundUp(group * kQueryTile, kTileRows);
+  const size_t num_scores = std::max(group * step.width * step.block_size, rows * cols);
+  const size_t num_acc = rows * step.head_dim;
+  pagedjax::ParallelFor(pool, items.size(), [&](int64_t i) {
+    thread_local Scratch scratch;  // grown, never shrunk: no zero-fill per item
+    if (scratch.scores.size() < num_scores) scratch.scores.resize(num_scores);
+    if (scratch.acc.size() < num_acc) scratch.acc.resize(num_acc);
+    const Item item = items[i];
+    if (item.first < 0) return AttendOne(step, item.seq, item.head, scratch);
+    if (scratch.queries.size() < num_acc) scratch.queries.resize(num_acc);
+    if (scratch.keys_t.size() < size_t(step.head_dim * cols))
+      scratch.keys_t.resize(step.head_dim * cols);
+    if (scratch.max.size() < size_t(rows)) scratch.max.resize(rows), scratch.sum.resize(rows);
+    AttendTile(step, item.seq, item.head, item.first, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -30,12 +30,17 @@ class PackedWeight:
     columns: int = dataclasses.field(metadata=dict(static=True))
 
 
-def pack(weight: jax.Array) -> PackedWeight:
-    """[K, N] -> PackedWeight."""
-    k, n = weight.shape
-    num_panels = -(-n // PANEL)
-    padded = jnp.pad(weight, ((0, 0), (0, num_panels * PANEL - n)))
-    return PackedWeight(padded.reshape(k, num_panels, PANEL).transpose(1, 0, 2), n)
+def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
+    """[K, N] -> PackedWeight. Laid out with numpy on the host: at load time, eager jnp ops
+    per weight would cost a dispatch (and a cached executable) each."""
+    w = np.asarray(weight)
+    k, n = w.shape
+    num_panels, full = -(-n // PANEL), n // PANEL
+    panels = np.zeros((num_panels, k, PANEL), w.dtype)
+    panels[:full] = w[:, : full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2)
+    if full < num_panels:
+        panels[full, :, : n - full * PANEL] = w[:, full * PANEL :]
+    return PackedWeight(jnp.asarray(panels), n)
 
 
 def packed_matmul(x: jax.Array, weight: PackedWeight) -> jax.Array:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.cpu_matmul import PackedWeight, pack, packed_columns, packed_matmul
 from kernels_pallas.kv_cache import KVCache, write_kv
@@ -52,11 +53,11 @@ def pack_matmul_weights(params: Params) -> Params:
     is the embeddings' transpose and replaces them (the token lookup reads it)."""
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        layers[name] = tuple(pack(w) for w in layers[name])
+        layers[name] = tuple(pack(w) for w in np.asarray(layers[name]))
     if "lm_head" in params:
         return {**params, "layers": layers, "lm_head": pack(params["lm_head"])}
     rest = {k: v for k, v in params.items() if k != "embed"}
-    return {**rest, "layers": layers, "lm_head": pack(params["embed"].T)}
+    return {**rest, "layers": layers, "lm_head": pack(np.asarray(params["embed"]).T)}
 
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:

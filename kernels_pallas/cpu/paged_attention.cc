@@ -190,58 +190,33 @@ inline float ScaleMax(float* x, int64_t n, float scale) {
   return m;
 }
 
-// The prefill tiles' two matmuls, on register blocks of kTileRows rows x NV * 8 columns.
-// s[r][c] = sum over d of q[r][d] * kt[d][c]: q rows of D floats, kt (K transposed) rows of
-// ld_kt; s rows of ld_s.
+// The prefill tiles' two matmuls (scores = queries x keys transposed, then acc += probabilities
+// x values), on register blocks of kTileRows rows x NV * 8 columns:
+// out[r][c] (+)= sum over k < K of a[r * lda + k] * b[k * ldb + c].
 template <int NV>
-inline void ScoresBlock(const float* q, int64_t D, const float* kt, int64_t ld_kt, float* s,
-                        int64_t ld_s) {
-  __m256 a[kTileRows][NV];
+inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
+                        float* out, int64_t ldo, bool accumulate) {
+  __m256 acc[kTileRows][NV];
   #pragma GCC unroll 8
   for (int r = 0; r < kTileRows; ++r)
     #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) a[r][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m256 k[NV];
-    #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) k[c] = _mm256_loadu_ps(kt + d * ld_kt + c * 8);
-    #pragma GCC unroll 8
-    for (int r = 0; r < kTileRows; ++r) {
-      const __m256 qr = _mm256_broadcast_ss(q + r * D + d);
-      #pragma GCC unroll 2
-      for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(qr, k[c], a[r][c]);
-    }
-  }
-  #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r)
-    #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(s + r * ld_s + c * 8, a[r][c]);
-}
-
-// acc[r][c] += sum over the n keys t of p[r][t] * v[t][c]: p rows of ld_p, v and acc rows of D.
-template <int NV>
-inline void ValuesBlock(const float* p, int64_t ld_p, const float* v, int64_t D, int64_t n,
-                        float* acc) {
-  __m256 a[kTileRows][NV];
-  #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r)
-    #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(acc + r * D + c * 8);
-  for (int64_t t = 0; t < n; ++t) {
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = accumulate ? _mm256_loadu_ps(out + r * ldo + c * 8) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     __m256 row[NV];
     #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) row[c] = _mm256_loadu_ps(v + t * D + c * 8);
+    for (int c = 0; c < NV; ++c) row[c] = _mm256_loadu_ps(b + k * ldb + c * 8);
     #pragma GCC unroll 8
     for (int r = 0; r < kTileRows; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p + r * ld_p + t);
+      const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
       #pragma GCC unroll 2
-      for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(pr, row[c], a[r][c]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(ar, row[c], acc[r][c]);
     }
   }
   #pragma GCC unroll 8
   for (int r = 0; r < kTileRows; ++r)
     #pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + r * D + c * 8, a[r][c]);
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + r * ldo + c * 8, acc[r][c]);
 }
 
 #else  // portable loops for compilers without AVX2 and FMA
@@ -283,24 +258,15 @@ inline float ScaleMax(float* x, int64_t n, float scale) {
 }
 
 template <int NV>
-inline void ScoresBlock(const float* q, int64_t D, const float* kt, int64_t ld_kt, float* s,
-                        int64_t ld_s) {
+inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
+                        float* out, int64_t ldo, bool accumulate) {
   for (int r = 0; r < kTileRows; ++r) {
-    float* sr = s + r * ld_s;
-    std::fill(sr, sr + NV * 8, 0.f);
-    for (int64_t d = 0; d < D; ++d)
+    float* o = out + r * ldo;
+    if (!accumulate) std::fill(o, o + NV * 8, 0.f);
+    for (int64_t k = 0; k < K; ++k)
 #pragma omp simd
-      for (int c = 0; c < NV * 8; ++c) sr[c] += q[r * D + d] * kt[d * ld_kt + c];
+      for (int c = 0; c < NV * 8; ++c) o[c] += a[r * lda + k] * b[k * ldb + c];
   }
-}
-
-template <int NV>
-inline void ValuesBlock(const float* p, int64_t ld_p, const float* v, int64_t D, int64_t n,
-                        float* acc) {
-  for (int r = 0; r < kTileRows; ++r)
-    for (int64_t t = 0; t < n; ++t)
-#pragma omp simd
-      for (int c = 0; c < NV * 8; ++c) acc[r * D + c] += p[r * ld_p + t] * v[t * D + c];
 }
 
 #endif
@@ -432,7 +398,8 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
   };
 
   for (int64_t b = first_key / bs; b <= last_key / bs; ++b) {
-    const int64_t lo = std::max(first_key, b * bs), count = std::min(last_key + 1, b * bs + bs) - lo;
+    const int64_t lo = std::max(first_key, b * bs);
+    const int64_t count = std::min(last_key + 1, b * bs + bs) - lo;
     const float* k = page(st.k, b) + (lo - b * bs) * D;
     const float* v = page(st.v, b) + (lo - b * bs) * D;
     // keys_t[d][t] = k[t][d], zero past `count`.
@@ -445,8 +412,9 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
     for (int64_t r = 0; r < padded_rows; r += kTileRows) {
       int64_t c = 0;
       for (; c + 16 <= width; c += 16)
-        ScoresBlock<2>(queries + r * D, D, keys_t + c, cols, scores + r * cols + c, cols);
-      if (c < width) ScoresBlock<1>(queries + r * D, D, keys_t + c, cols, scores + r * cols + c, cols);
+        MatmulBlock<2>(queries + r * D, D, keys_t + c, cols, D, scores + r * cols + c, cols, false);
+      if (c < width)
+        MatmulBlock<1>(queries + r * D, D, keys_t + c, cols, D, scores + r * cols + c, cols, false);
     }
     // Online softmax per row. Row i sees keys lo + t for t in [t_begin, t_end) (causal, the
     // window, the page's end); the others get probability 0.
@@ -464,8 +432,10 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       float row_max;
       if (st.soft_cap > 0.f) {
         row_max = -INFINITY;
-        for (int64_t t = 0; t < num_seen; ++t)
-          row_max = std::max(row_max, seen[t] = st.soft_cap * std::tanh(seen[t] * st.scale / st.soft_cap));
+        for (int64_t t = 0; t < num_seen; ++t) {
+          seen[t] = st.soft_cap * std::tanh(seen[t] * st.scale / st.soft_cap);
+          row_max = std::max(row_max, seen[t]);
+        }
       } else {
         row_max = ScaleMax(seen, num_seen, st.scale);
       }
@@ -478,12 +448,13 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= alpha;
     }
-    for (int64_t i = rows; i < padded_rows; ++i) std::fill(scores + i * cols, scores + i * cols + width, 0.f);
+    for (int64_t i = rows; i < padded_rows; ++i)
+      std::fill(scores + i * cols, scores + i * cols + width, 0.f);
     for (int64_t r = 0; r < padded_rows; r += kTileRows) {
       int64_t d = 0;
       for (; d + 16 <= D; d += 16)
-        ValuesBlock<2>(scores + r * cols, cols, v + d, D, count, acc + r * D + d);
-      if (d < D) ValuesBlock<1>(scores + r * cols, cols, v + d, D, count, acc + r * D + d);
+        MatmulBlock<2>(scores + r * cols, cols, v + d, D, count, acc + r * D + d, D, true);
+      if (d < D) MatmulBlock<1>(scores + r * cols, cols, v + d, D, count, acc + r * D + d, D, true);
     }
   }
   for (int64_t j = 0; j < g; ++j)

@@ -154,7 +154,6 @@ def sample(
     the [S, V] sort, scatters and noise, and a batch that asks for no logprobs (None, as
     SamplingParams.logprobs) skip the log-softmax, the costliest [S, V] pass left on the CPU.
     num_logprobs 0 returns the sampled tokens' logprobs only."""
-    raw_logits = logits
     if all_greedy and not use_penalties and cpu_sampling.supports(logits):
         tokens, finite = cpu_sampling.greedy_sample(logits, meta.bias_token_ids, meta.bias_values)
     else:
@@ -162,7 +161,7 @@ def sample(
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
 
-    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(tokens, finite, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -135,44 +135,6 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
 // The fixed-count loops below carry `#pragma GCC unroll`: unrolled early, the __m256 arrays
 // live in registers; otherwise GCC stores them to the stack every row (1.5x slower).
 
-// acc[j][c * 8 ...] += sum over the n rows t of v: p[j * stride + t] * v[t][c * 8 ...], for
-// the C 8-float chunks from `chunk` on; G * C accumulators stay in registers across rows.
-template <int G, int C>
-inline void AccumulateChunk(const float* p, int64_t stride, const float* v, int64_t n,
-                            int64_t D, int64_t chunk, float* acc) {
-  __m256 a[G][C];
-  #pragma GCC unroll 8
-  for (int j = 0; j < G; ++j)
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) a[j][c] = _mm256_loadu_ps(acc + j * D + (chunk + c) * 8);
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 row[C];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) row[c] = _mm256_loadu_ps(v + t * D + (chunk + c) * 8);
-    #pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) {
-      const __m256 pj = _mm256_broadcast_ss(p + j * stride + t);
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) a[j][c] = _mm256_fmadd_ps(pj, row[c], a[j][c]);
-    }
-  }
-  #pragma GCC unroll 8
-  for (int j = 0; j < G; ++j)
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + j * D + (chunk + c) * 8, a[j][c]);
-}
-
-template <int G>
-void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
-                float* acc) {
-  // The widest chunk whose G x C accumulators, a V row chunk and a broadcast fit in 16 ymm.
-  constexpr int C = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
-  const int64_t chunks = D / 8;
-  int64_t chunk = 0;
-  for (; chunk + C <= chunks; chunk += C) AccumulateChunk<G, C>(p, stride, v, n, D, chunk, acc);
-  for (; chunk < chunks; ++chunk) AccumulateChunk<G, 1>(p, stride, v, n, D, chunk, acc);
-}
-
 // x[i] *= scale for i < n; returns their max (-inf for n = 0).
 inline float ScaleMax(float* x, int64_t n, float scale) {
   const __m256 sv = _mm256_set1_ps(scale);
@@ -190,32 +152,32 @@ inline float ScaleMax(float* x, int64_t n, float scale) {
   return m;
 }
 
-// The prefill tiles' two matmuls (scores = queries x keys transposed, then acc += probabilities
-// x values), on register blocks of kTileRows rows x NV * 8 columns:
-// out[r][c] (+)= sum over k < K of a[r * lda + k] * b[k * ldb + c].
-template <int NV>
+// out[r][c] (+)= sum over k < K of a[r * lda + k] * b[k * ldb + c], for R rows and NV * 8
+// columns, with the R x NV accumulators in registers: decode's probabilities x V (R = the
+// group) and the prefill tiles' scores and probabilities x V (R = kTileRows).
+template <int R, int NV>
 inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
                         float* out, int64_t ldo, bool accumulate) {
-  __m256 acc[kTileRows][NV];
+  __m256 acc[R][NV];
   #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r)
-    #pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c)
       acc[r][c] = accumulate ? _mm256_loadu_ps(out + r * ldo + c * 8) : _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 row[NV];
-    #pragma GCC unroll 2
+    #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) row[c] = _mm256_loadu_ps(b + k * ldb + c * 8);
     #pragma GCC unroll 8
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
-      #pragma GCC unroll 2
+      #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(ar, row[c], acc[r][c]);
     }
   }
   #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r)
-    #pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + r * ldo + c * 8, acc[r][c]);
 }
 
@@ -239,28 +201,16 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
   return total;
 }
 
-template <int G>
-void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
-                float* acc) {
-  for (int64_t t = 0; t < n; ++t)
-    #pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) {
-      const float pj = p[j * stride + t];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[j * D + d] += pj * v[t * D + d];
-    }
-}
-
 inline float ScaleMax(float* x, int64_t n, float scale) {
   float m = -INFINITY;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i] *= scale);
   return m;
 }
 
-template <int NV>
+template <int R, int NV>
 inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
                         float* out, int64_t ldo, bool accumulate) {
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     float* o = out + r * ldo;
     if (!accumulate) std::fill(o, o + NV * 8, 0.f);
     for (int64_t k = 0; k < K; ++k)
@@ -270,6 +220,26 @@ inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb
 }
 
 #endif
+
+// MatmulBlock over `cols` columns (a multiple of 8): blocks of NV vectors, then single ones.
+template <int R, int NV>
+void Matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* out,
+            int64_t ldo, int64_t cols, bool accumulate) {
+  int64_t c = 0;
+  for (; c + NV * 8 <= cols; c += NV * 8)
+    MatmulBlock<R, NV>(a, lda, b + c, ldb, K, out + c, ldo, accumulate);
+  for (; c < cols; c += 8) MatmulBlock<R, 1>(a, lda, b + c, ldb, K, out + c, ldo, accumulate);
+}
+
+// acc[j][d] += sum over the n keys t of p[j * stride + t] * v[t][d], for the G heads of a
+// decode row, in column blocks of C vectors: the widest whose G x C accumulators, a V row
+// chunk and a broadcast fit in 16 ymm registers.
+template <int G>
+void Accumulate(const float* p, int64_t stride, const float* v, int64_t n, int64_t D,
+                float* acc) {
+  constexpr int C = G == 1 ? 8 : G <= 3 ? 4 : G <= 6 ? 2 : 1;
+  Matmul<G, C>(p, stride, v, D, n, acc, D, D, true);
+}
 
 using AccumulateFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
 constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
@@ -409,13 +379,9 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       for (int64_t t = 0; t < count; ++t) column[t] = k[t * D + d];
       std::fill(column + count, column + width, 0.f);
     }
-    for (int64_t r = 0; r < padded_rows; r += kTileRows) {
-      int64_t c = 0;
-      for (; c + 16 <= width; c += 16)
-        MatmulBlock<2>(queries + r * D, D, keys_t + c, cols, D, scores + r * cols + c, cols, false);
-      if (c < width)
-        MatmulBlock<1>(queries + r * D, D, keys_t + c, cols, D, scores + r * cols + c, cols, false);
-    }
+    for (int64_t r = 0; r < padded_rows; r += kTileRows)
+      Matmul<kTileRows, 2>(queries + r * D, D, keys_t, cols, D, scores + r * cols, cols, width,
+                           false);
     // Online softmax per row. Row i sees keys lo + t for t in [t_begin, t_end) (causal, the
     // window, the page's end); the others get probability 0.
     for (int64_t i = 0; i < rows; ++i) {
@@ -448,14 +414,8 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= alpha;
     }
-    for (int64_t i = rows; i < padded_rows; ++i)
-      std::fill(scores + i * cols, scores + i * cols + width, 0.f);
-    for (int64_t r = 0; r < padded_rows; r += kTileRows) {
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16)
-        MatmulBlock<2>(scores + r * cols, cols, v + d, D, count, acc + r * D + d, D, true);
-      if (d < D) MatmulBlock<1>(scores + r * cols, cols, v + d, D, count, acc + r * D + d, D, true);
-    }
+    for (int64_t r = 0; r < padded_rows; r += kTileRows)
+      Matmul<kTileRows, 2>(scores + r * cols, cols, v, D, count, acc + r * D, D, D, true);
   }
   for (int64_t j = 0; j < g; ++j)
     for (int64_t r = 0; r < n; ++r) {

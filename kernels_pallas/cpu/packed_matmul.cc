@@ -81,9 +81,9 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* result = out->typed_data();
   const int64_t M = x_dims[0], K = x_dims[1], N = columns;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  // Items of at most 32 panels, and at least four per thread: the item a thread finishes last
-  // is the other's idle time. At four per thread the LM head's items (256 panels, about 9 ms)
-  // left one thread idle for 5 ms of a 71 ms call in a W2 decode step.
+  // About four items per thread, and at most 32 panels each: the item a thread finishes last
+  // is the other's idle time. Uncapped, the LM head's items (256 panels, about 9 ms) left one
+  // thread idle for 5 ms of a 71 ms call in a W2 decode step.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
   pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {

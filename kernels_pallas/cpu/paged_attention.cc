@@ -7,8 +7,8 @@
 //
 // - A decode row (q_len 1), per KV head, takes two passes over its pages, both bound by memory
 //   bandwidth (random 16 KB pages at about 16 GB/s on a 2-core VM). The next page is
-//   prefetched a slice at a time, interleaved with the arithmetic on this one (whole pages
-//   prefetched two ahead left the kernel 1.2x slower):
+//   prefetched a slice at a time, interleaved with the arithmetic on this one (with whole
+//   pages prefetched two ahead, reads and arithmetic did not overlap: 1.2-1.3x slower):
 //   1. scores of every key for the group's query heads, 8 keys per dot (one reduction for 8);
 //   2. after an exact max and a vectorized exp, probabilities times V, with the group's
 //      accumulators held in registers while a V row is read once for all of them.
@@ -36,7 +36,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kMaxGroup = 8;
-constexpr int64_t kSliceKeys = 8;  // keys per slice of a decode row's pages
+constexpr int64_t kSliceKeys = 8;  // keys per slice of a decode row's pages: one Dot8
 constexpr int64_t kQueryTile = 16;  // query tokens of one prefill work item
 constexpr int kTileRows = 6;  // rows of the prefill matmuls' register blocks
 
@@ -223,6 +223,17 @@ inline void MatmulBlock(const float* a, int64_t lda, const float* b, int64_t ldb
 
 #endif
 
+// x[i] = the score of dot product x[i]: times scale, then soft-capped when soft_cap > 0;
+// returns their max (-inf for n = 0). Without a cap, vectorized: as a scalar loop it was a
+// fifth of a decode row's arithmetic.
+inline float ScoresMax(float* x, int64_t n, float scale, float soft_cap) {
+  if (soft_cap <= 0.f) return ScaleMax(x, n, scale);
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i)
+    m = std::max(m, x[i] = soft_cap * std::tanh(x[i] * scale / soft_cap));
+  return m;
+}
+
 // MatmulBlock over `cols` columns (a multiple of 8): blocks of NV vectors, then single ones.
 template <int R, int NV>
 void Matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* out,
@@ -295,7 +306,7 @@ void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
     const float* next = next_page(st.k, b);
     float* sb = scores + (lo - start);
     int64_t t = 0;
-    for (; t + 8 <= count; t += 8) {
+    for (; t + kSliceKeys <= count; t += kSliceKeys) {
       prefetch_slice(next, t, count);
       for (int64_t j = 0; j < g; ++j) Dot8(q + j * D, k + t * D, D, sb + j * span + t);
     }
@@ -309,14 +320,7 @@ void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
   float total[kMaxGroup];
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * span;
-    float m = -INFINITY;
-    if (st.soft_cap > 0.f) {
-      for (int64_t t = 0; t < span; ++t)
-        m = std::max(m, sj[t] = st.soft_cap * std::tanh(sj[t] * st.scale / st.soft_cap));
-    } else {
-      m = ScaleMax(sj, span, st.scale);  // vectorized: the softmax was a fifth of the arithmetic
-    }
-    total[j] = ExpShiftedSum(sj, span, m);
+    total[j] = ExpShiftedSum(sj, span, ScoresMax(sj, span, st.scale, st.soft_cap));
   }
 
   // Pass 2: acc[j] = sum over keys of p[j][key] * v[key].
@@ -409,16 +413,7 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       }
       float* seen = row + t_begin;
       const int64_t num_seen = t_end - t_begin;
-      float row_max;
-      if (st.soft_cap > 0.f) {
-        row_max = -INFINITY;
-        for (int64_t t = 0; t < num_seen; ++t) {
-          seen[t] = st.soft_cap * std::tanh(seen[t] * st.scale / st.soft_cap);
-          row_max = std::max(row_max, seen[t]);
-        }
-      } else {
-        row_max = ScaleMax(seen, num_seen, st.scale);
-      }
+      const float row_max = ScoresMax(seen, num_seen, st.scale, st.soft_cap);
       const float new_max = std::max(max[i], row_max);
       const float alpha = std::exp(max[i] - new_max);  // 0 while max[i] is -inf
       sum[i] = sum[i] * alpha + ExpShiftedSum(seen, num_seen, new_max);

@@ -27,6 +27,7 @@ HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 TARGETS = {
     "pagedjax_paged_attention": "PagedAttention",
     "pagedjax_packed_matmul": "PackedMatmul",
+    "pagedjax_quantized_matmul": "QuantizedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
 }
 

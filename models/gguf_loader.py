@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +214,9 @@ def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n, 16] bytes -> [n, 32] float32: low nibbles are elements 0..15, high 16..31."""
-    out = np.empty((qs.shape[0], 32), np.float32)
+def _unpack_nibbles(qs: np.ndarray, dtype: type = np.float32) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32]: low nibbles are elements 0..15, high 16..31."""
+    out = np.empty((qs.shape[0], 32), dtype)
     out[:, :16] = qs & 0x0F
     out[:, 16:] = qs >> 4
     return out
@@ -235,6 +236,66 @@ def _dequant_q4_1(raw: np.ndarray) -> np.ndarray:
     out *= blocks[:, 0:2].view(np.float16).astype(np.float32)
     out += blocks[:, 2:4].view(np.float16).astype(np.float32)
     return out
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """A Q4_0, Q4_1 or Q8_0 tensor [out, in] as its file stores it: w = code * scale + offset
+    with one scale and offset per 32 inputs. The product is exact in float32 (a float16 scale
+    times a code of at most 8 bits), so this is `dequantize`'s value bit for bit, up to the
+    sign of a zero; `kernels_pallas.cpu_matmul.pack_blocks` runs matmuls on it."""
+
+    codes: np.ndarray  # [out, in] uint8 0..15 (bits = 4) or int8 (bits = 8)
+    scales: np.ndarray  # [out, in / 32] float32
+    offsets: np.ndarray  # [out, in / 32] float32
+    bits: int
+
+    def rows(self, order: np.ndarray | slice) -> BlockCodes:
+        return BlockCodes(self.codes[order], self.scales[order], self.offsets[order], self.bits)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16).astype(np.float32).reshape(-1)
+
+
+def _codes_q8_0(blocks: np.ndarray) -> tuple:
+    d = _f16(blocks[:, :2])
+    # -0.0: adding it keeps d * q exactly, signed zeros included.
+    return blocks[:, 2:].view(np.int8), d, np.full_like(d, -0.0), 8
+
+
+def _codes_q4_0(blocks: np.ndarray) -> tuple:
+    d = _f16(blocks[:, :2])
+    return _unpack_nibbles(blocks[:, 2:], np.uint8), d, -8 * d, 4  # d * (q - 8)
+
+
+def _codes_q4_1(blocks: np.ndarray) -> tuple:
+    return _unpack_nibbles(blocks[:, 4:], np.uint8), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), 4
+
+
+_BLOCK_CODES = {
+    GGMLQuantizationType.Q8_0: _codes_q8_0,
+    GGMLQuantizationType.Q4_0: _codes_q4_0,
+    GGMLQuantizationType.Q4_1: _codes_q4_1,
+}
+
+
+def block_codes(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> BlockCodes | None:
+    """A 2-d Q4_0, Q4_1 or Q8_0 tensor's raw GGUF bytes as BlockCodes; None for other types."""
+    split = _BLOCK_CODES.get(qtype)
+    if split is None or len(shape) != 2:
+        return None
+    out_dim, in_dim = shape
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    codes, scales, offsets, bits = split(np.ascontiguousarray(raw).reshape(-1, type_size))
+    return BlockCodes(
+        codes.reshape(shape),
+        scales.reshape(out_dim, in_dim // 32),
+        offsets.reshape(out_dim, in_dim // 32),
+        bits,
+    )
 
 
 _DEQUANTIZERS = {
@@ -387,9 +448,12 @@ def _read_header(path: Path, buf: mmap.mmap) -> tuple[dict[str, Any], list[_Tens
         raise ModelLoadError(f"{path}: corrupt GGUF header ({e}); {_REDOWNLOAD}") from e
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+def read_gguf(
+    path: str | os.PathLike, *, keep_blocks: bool = False
+) -> tuple[dict, dict[str, np.ndarray | BlockCodes]]:
     """(Hugging Face config dict, {HF parameter name: float32 array [out, in]}) from a GGUF.
 
+    With keep_blocks, 2-d Q4_0, Q4_1 and Q8_0 tensors come as BlockCodes instead of float32.
     lm_head.weight is present only for untied models. Raises ModelLoadError (or its subclass
     UnsupportedArchitectureError) for anything unusable.
     """
@@ -425,15 +489,19 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     permute = config["model_type"] == "llama"
     data = np.frombuffer(buf, np.uint8)
 
-    def load(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray]:
+    def load(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray | BlockCodes]:
         name, t = job
-        start = data_start + t.offset
+        raw = data[data_start + t.offset : data_start + t.offset + t.nbytes]
         try:
-            w = dequantize(data[start : start + t.nbytes], t.qtype, t.shape)
-            if permute and ".self_attn.q_proj." in name:
-                w = unpermute_rotary(w, n_heads)
-            elif permute and ".self_attn.k_proj." in name:
-                w = unpermute_rotary(w, n_kv)
+            w = block_codes(raw, t.qtype, t.shape) if keep_blocks else None
+            if w is None:
+                w = dequantize(raw, t.qtype, t.shape)
+            heads = n_heads if ".self_attn.q_proj." in name else n_kv
+            if permute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                if isinstance(w, BlockCodes):
+                    w = w.rows(unpermute_rotary(np.arange(t.shape[0]), heads))
+                else:
+                    w = unpermute_rotary(w, heads)
         except (ValueError, ZeroDivisionError) as e:  # shapes contradicting the metadata
             raise ModelLoadError(f"{path}: tensor {t.name!r} {t.shape}: {e}") from e
         return name, w

@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cpu_matmul import PackedWeight, pack, packed_columns, packed_matmul
+from kernels_pallas.cpu_matmul import (
+    PackedWeight,
+    QuantizedWeight,
+    pack,
+    pack_blocks,
+    packed_columns,
+    packed_matmul,
+)
 from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
@@ -47,17 +54,32 @@ AttentionFn = Callable[..., jax.Array]
 MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def pack_matmul_weights(params: Params) -> Params:
+def pack_matmul_weights(params: Params, blocks: dict | None = None) -> Params:
     """Params for XLA:CPU: each stacked matmul weight [L, in, out] becomes a tuple of L
     `PackedWeight`s, and the LM head one `PackedWeight`. With tied embeddings the packed head
-    is the embeddings' transpose and replaces them (the token lookup reads it)."""
+    is the embeddings' transpose and replaces them (the token lookup reads it).
+
+    `blocks` (from `models.loader.load_matmul_blocks`) holds weights as a GGUF stores them,
+    block-quantized; those are packed as `QuantizedWeight`s instead, which compute the same
+    products from a fifth of the bytes."""
+    blocks = blocks or {}
+
+    def from_blocks(b) -> QuantizedWeight:
+        return pack_blocks(b.codes.T, b.scales.T, b.offsets.T, b.bits)
+
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        layers[name] = tuple(pack(w) for w in np.asarray(layers[name]))
+        if name in blocks:
+            layers[name] = tuple(from_blocks(b) for b in blocks[name])
+        else:
+            layers[name] = tuple(pack(w) for w in np.asarray(layers[name]))
     if "lm_head" in params:
-        return {**params, "layers": layers, "lm_head": pack(params["lm_head"])}
-    rest = {k: v for k, v in params.items() if k != "embed"}
-    return {**rest, "layers": layers, "lm_head": pack(np.asarray(params["embed"]).T)}
+        rest, head = params, params["lm_head"]
+    else:
+        rest = {k: v for k, v in params.items() if k != "embed"}
+        head = np.asarray(params["embed"]).T
+    lm_head = from_blocks(blocks["lm_head"]) if "lm_head" in blocks else pack(head)
+    return {**rest, "layers": layers, "lm_head": lm_head}
 
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
@@ -187,7 +209,7 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled."""
     head = params.get("lm_head")
-    if isinstance(head, PackedWeight):
+    if isinstance(head, PackedWeight | QuantizedWeight):
         return packed_matmul(hidden, head).astype(jnp.float32)
     if head is not None:
         return (hidden @ head).astype(jnp.float32)

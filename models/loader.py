@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,9 @@ import numpy as np
 from models.config import ModelConfig, model_config_from_hf
 from models.errors import ModelLoadError
 from models.llama import Params
+
+if TYPE_CHECKING:
+    from models.gguf_loader import BlockCodes
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,14 @@ def resolve_model_path(model: str | os.PathLike | None) -> ModelFiles:
 
 
 TensorGetter = Callable[[str], np.ndarray]
+
+# Our matmul weight -> the HF projections fused into it, side by side along the output axis.
+FUSED_MATMULS = {
+    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "wo": ("self_attn.o_proj",),
+    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "w_down": ("mlp.down_proj",),
+}
 
 
 def params_from_hf_tensors(
@@ -91,17 +103,17 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype) -> P
         p = f"model.layers.{i}."
         layers["attn_norm"][i] = get(p + "input_layernorm.weight")
         layers["mlp_norm"][i] = get(p + "post_attention_layernorm.weight")
-        for name, lo, hi in (("q", 0, Q), ("k", Q, Q + KV), ("v", Q + KV, Q + 2 * KV)):
-            layers["wqkv"][i, :, lo:hi] = get(f"{p}self_attn.{name}_proj.weight").T
-            if config.attention_bias:
-                layers["bqkv"][i, lo:hi] = get(f"{p}self_attn.{name}_proj.bias")
+        for name, parts in FUSED_MATMULS.items():
+            column = 0
+            for part in parts:
+                w = get(f"{p}{part}.weight").T
+                layers[name][i, :, column : column + w.shape[1]] = w
+                if config.attention_bias and name == "wqkv":
+                    layers["bqkv"][i, column : column + w.shape[1]] = get(f"{p}{part}.bias")
+                column += w.shape[1]
         if config.qk_norm:
             layers["q_norm"][i] = get(p + "self_attn.q_norm.weight")
             layers["k_norm"][i] = get(p + "self_attn.k_norm.weight")
-        layers["wo"][i] = get(p + "self_attn.o_proj.weight").T
-        layers["w_gate_up"][i, :, :I] = get(p + "mlp.gate_proj.weight").T
-        layers["w_gate_up"][i, :, I:] = get(p + "mlp.up_proj.weight").T
-        layers["w_down"][i] = get(p + "mlp.down_proj.weight").T
 
     params: Params = {
         "embed": get("model.embed_tokens.weight"),
@@ -193,6 +205,46 @@ def load_model(
         config = model_config_from_hf(read_hf_config(files.path))
         getter = _checked_getter(_safetensors_getter(files.path), str(files.path))
     return config, params_from_hf_tensors(config, getter, dtype)
+
+
+def load_matmul_blocks(
+    model: str | os.PathLike | None, config: ModelConfig
+) -> dict[str, BlockCodes | tuple[BlockCodes, ...]]:
+    """The matmul weights a GGUF stores block-quantized (Q4_0, Q4_1, Q8_0), as the file holds
+    them and fused as `params_from_hf_tensors` fuses them: {"wqkv" etc.: per-layer BlockCodes
+    [out, in], "lm_head": BlockCodes [V, H]}, for `pack_matmul_weights` to run matmuls on in
+    place of their float32 values (which they equal exactly). A weight whose parts are not all
+    block codes of one width is left out, and so is every weight of a Hugging Face directory."""
+    files = resolve_model_path(model)
+    if not files.is_gguf:
+        return {}
+    from models.gguf_loader import BlockCodes, read_gguf
+
+    _, tensors = read_gguf(files.path, keep_blocks=True)
+
+    def fused(names: list[str]) -> BlockCodes | None:
+        parts = [tensors.get(name) for name in names]
+        if not all(isinstance(b, BlockCodes) and b.bits == parts[0].bits for b in parts):
+            return None
+        return BlockCodes(
+            np.concatenate([b.codes for b in parts]),
+            np.concatenate([b.scales for b in parts]),
+            np.concatenate([b.offsets for b in parts]),
+            parts[0].bits,
+        )
+
+    blocks: dict[str, BlockCodes | tuple[BlockCodes, ...]] = {}
+    for name, projections in FUSED_MATMULS.items():
+        per_layer = [
+            fused([f"model.layers.{i}.{part}.weight" for part in projections])
+            for i in range(config.num_layers)
+        ]
+        if all(b is not None for b in per_layer):
+            blocks[name] = tuple(per_layer)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if (lm_head := fused([head])) is not None:
+        blocks["lm_head"] = lm_head
+    return blocks
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):

@@ -83,14 +83,18 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer=None,
     ):
-        from models.loader import load_model, load_tokenizer
+        from models.loader import load_matmul_blocks, load_model, load_tokenizer
 
         if config.block_size is None:
             config = replace(config, block_size=default_block_size())
         self.config = config
         dtype = jnp.dtype(config.dtype)
+        matmul_blocks = None
         if model_config is None or params is None:
             model_config, params = load_model(config.model, dtype)
+            if jax.default_backend() == "cpu" and dtype == jnp.float32:
+                # A GGUF's quantized matmul weights as stored: exact, and 5x fewer bytes a step.
+                matmul_blocks = load_matmul_blocks(config.model, model_config)
         self.model_config = model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
 
@@ -127,6 +131,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             attention_fn=_attention_fn(config.attention_backend),
             kv_dtype=kv_dtype,
+            matmul_blocks=matmul_blocks,
         )
         self.eos_token_ids = frozenset(
             model_config.eos_token_ids

@@ -63,6 +63,11 @@ def test_default_model_config(llm):
     # Tied embeddings are held once: on the CPU as the packed LM head, which serves lookups too.
     params = llm.llm_engine.runner.params
     assert ("lm_head" in params) != ("embed" in params)
+    # The file's Q4_1 layers and Q8_0 embeddings are run as stored (exactly; tested below).
+    from kernels_pallas.cpu_matmul import QuantizedWeight
+
+    assert isinstance(params["lm_head"], QuantizedWeight) and params["lm_head"].bits == 8
+    assert all(w.bits == 4 for w in params["layers"]["w_gate_up"])
 
 
 def test_greedy_tokens_equal_transformers(llm):

@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType as Q
 
 from models.errors import ModelLoadError, UnsupportedArchitectureError
 from models.gguf_loader import (
+    BlockCodes,
+    block_codes,
     default_model_path,
     dequantize,
     gguf_tokenizer,
@@ -524,6 +526,64 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
         "factor": 4.0,
         "original_max_position_embeddings": 2048,
     }
+
+
+def widened(b: BlockCodes) -> np.ndarray:
+    return b.codes.astype(np.float32) * np.repeat(b.scales, 32, 1) + np.repeat(b.offsets, 32, 1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_block_codes_are_the_dequantized_values(qtype: Q) -> None:
+    x = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(x, qtype)
+    codes = block_codes(raw, qtype, x.shape)
+    assert codes.bits == (8 if qtype == Q.Q8_0 else 4) and codes.scales.shape == (8, 3)
+    want = dequantize(raw, qtype, x.shape)
+    # Q4_0's d * (q - 8) is a zero of d's sign at q = 8, where code * d - 8 d is +0.
+    same = np.array_equal if qtype == Q.Q4_0 else bits_equal
+    assert same(widened(codes), want)
+    assert block_codes(gguf.quants.quantize(x, Q.F16), Q.F16, x.shape) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16], ids=lambda q: q.name)
+def test_quantized_matmuls_give_the_float32_logits(tmp_path: Path, arch: str, qtype: Q) -> None:
+    """load_matmul_blocks keeps a GGUF's quantized weights (Q/K rows unpermuted, projections
+    fused); the CPU runner's matmuls on them give the float32 weights' logits bit for bit."""
+    from kernels_pallas.cpu_matmul import QuantizedWeight
+    from kernels_pallas.kv_cache import allocate_kv_cache
+    from kernels_pallas.metadata import build_metadata, token_positions
+    from kernels_pallas.xla_attention import ragged_paged_attention_xla
+    from models.llama import forward_logits_jit, pack_matmul_weights
+    from models.loader import load_matmul_blocks, load_model
+
+    tied = arch == "llama"  # qwen2: untied, with Q/K/V biases
+    write_tiny_gguf(tmp_path / "m.gguf", arch, qtype=qtype, tied=tied, bias=not tied)
+    config, params = load_model(tmp_path / "m.gguf")
+    blocks = load_matmul_blocks(tmp_path / "m.gguf", config)
+    if qtype == Q.F16:
+        assert blocks == {}  # nothing stored quantized: the float32 path
+        return
+    assert sorted(blocks) == ["lm_head", "w_down", "w_gate_up", "wo", "wqkv"]
+    quantized = pack_matmul_weights(params, blocks)
+    assert isinstance(quantized["lm_head"], QuantizedWeight)
+    assert ("embed" in quantized) == (arch == "qwen2")  # untied: the embeddings stay
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 13).astype(np.int32)
+    logits = []
+    for weights in (pack_matmul_weights(params), quantized):
+        cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
+        out, _ = forward_logits_jit(
+            weights,
+            config,
+            tokens,
+            token_positions([13], [13], 13),
+            cache,
+            build_metadata([13], [13], [[2, 1]], 8),
+            np.arange(13, dtype=np.int32),
+            ragged_paged_attention_xla,
+        )
+        logits.append(np.asarray(out))
+    assert np.array_equal(logits[0], logits[1])
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:

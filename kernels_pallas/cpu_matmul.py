@@ -42,8 +42,8 @@ class PackedWeight:
 class QuantizedWeight:
     """A [K, N] weight w[k, n] = code * scale + offset, as panels of 24 columns like PackedWeight:
 
-    codes    [P, K / 2, 24] uint8 (4-bit: byte j holds k = 2j in its low nibble, 2j + 1 high)
-             or [P, K, 24] (8-bit: the int8 code's bits)
+    codes    [P, K / 2, 24] uint8 (4-bit, in GGUF's order: byte 16 b + j holds k = 32 b + j in
+             its low nibble and k = 32 b + j + 16 in its high one) or [P, K, 24] (8-bit: int8)
     scales   [P, K / 32, 24] float32, one per 32 k and column
     offsets  [P, K / 32, 24] float32
     """
@@ -76,16 +76,13 @@ def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
 def pack_blocks(
     codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int
 ) -> QuantizedWeight:
-    """codes [K, N] (4-bit: uint8 0..15; 8-bit: int8), scales and offsets [K / 32, N] float32
-    -> QuantizedWeight. Past N the codes, scales and offsets are zero: a zero weight."""
-    k, n = codes.shape
-    if bits not in (4, 8) or k % BLOCK or not scales.shape == offsets.shape == (k // BLOCK, n):
+    """codes [K * bits / 8, N] bytes (in QuantizedWeight's order), scales and offsets
+    [K / 32, N] float32 -> QuantizedWeight. Past N all are zero: a zero weight."""
+    k, n = scales.shape[0] * BLOCK, scales.shape[1]
+    if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
         raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
-    panels = _panels(np.asarray(codes).view(np.uint8))
-    if bits == 4:
-        panels = panels[:, 0::2] | (panels[:, 1::2] << 4)
     return QuantizedWeight(
-        jnp.asarray(panels),
+        jnp.asarray(_panels(np.asarray(codes).view(np.uint8))),
         jnp.asarray(_panels(np.asarray(scales, np.float32))),
         jnp.asarray(_panels(np.asarray(offsets, np.float32))),
         n,
@@ -96,7 +93,8 @@ def pack_blocks(
 def _widen(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int) -> jax.Array:
     """Codes [..., K * bits / 8] with scales and offsets [..., K / 32] -> weights [..., K]."""
     if bits == 4:
-        codes = jnp.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+        codes = codes.reshape(*codes.shape[:-1], -1, BLOCK // 2)  # [..., K / 32, 16]
+        codes = jnp.stack([codes & 0x0F, codes >> 4], axis=-2).reshape(*codes.shape[:-2], -1)
     else:
         codes = jax.lax.bitcast_convert_type(codes, jnp.int8)
     # The product is exact, so a fused multiply-add or not gives the same float32.

@@ -214,9 +214,9 @@ def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_nibbles(qs: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-    """[n, 16] bytes -> [n, 32]: low nibbles are elements 0..15, high 16..31."""
-    out = np.empty((qs.shape[0], 32), dtype)
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] float32: low nibbles are elements 0..15, high 16..31."""
+    out = np.empty((qs.shape[0], 32), np.float32)
     out[:, :16] = qs & 0x0F
     out[:, 16:] = qs >> 4
     return out
@@ -245,7 +245,9 @@ class BlockCodes:
     times a code of at most 8 bits), so this is `dequantize`'s value bit for bit, up to the
     sign of a zero; `kernels_pallas.cpu_matmul.pack_blocks` runs matmuls on it."""
 
-    codes: np.ndarray  # [out, in] uint8 0..15 (bits = 4) or int8 (bits = 8)
+    # [out, in * bits / 8] uint8, the file's bytes. 4-bit: byte 16 b + j holds input 32 b + j
+    # in its low nibble and 32 b + j + 16 in its high one. 8-bit: int8.
+    codes: np.ndarray
     scales: np.ndarray  # [out, in / 32] float32
     offsets: np.ndarray  # [out, in / 32] float32
     bits: int
@@ -261,16 +263,16 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _codes_q8_0(blocks: np.ndarray) -> tuple:
     d = _f16(blocks[:, :2])
     # -0.0: adding it keeps d * q exactly, signed zeros included.
-    return blocks[:, 2:].view(np.int8), d, np.full_like(d, -0.0), 8
+    return blocks[:, 2:], d, np.full_like(d, -0.0), 8
 
 
 def _codes_q4_0(blocks: np.ndarray) -> tuple:
     d = _f16(blocks[:, :2])
-    return _unpack_nibbles(blocks[:, 2:], np.uint8), d, -8 * d, 4  # d * (q - 8)
+    return blocks[:, 2:], d, -8 * d, 4  # d * (q - 8)
 
 
 def _codes_q4_1(blocks: np.ndarray) -> tuple:
-    return _unpack_nibbles(blocks[:, 4:], np.uint8), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), 4
+    return blocks[:, 4:], _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), 4
 
 
 _BLOCK_CODES = {
@@ -291,7 +293,7 @@ def block_codes(
     type_size = GGML_QUANT_SIZES[qtype][1]
     codes, scales, offsets, bits = split(np.ascontiguousarray(raw).reshape(-1, type_size))
     return BlockCodes(
-        codes.reshape(shape),
+        codes.reshape(out_dim, in_dim * bits // 8),
         scales.reshape(out_dim, in_dim // 32),
         offsets.reshape(out_dim, in_dim // 32),
         bits,
@@ -439,7 +441,25 @@ def _open_map(path: Path) -> mmap.mmap:
 
 
 def _read_header(path: Path, buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], int]:
-    """_parse_header, with every failure turned into a ModelLoadError."""
+    """_parse_header, with every failure turned into a ModelLoadError. The engine reads one
+    file's header up to three times (weights, quantized weights, tokenizer), and its 100k
+    vocabulary strings take 0.1-0.3 s to parse, so a parse is kept for as long as the file's
+    size and modification time stay the same."""
+    stat = os.stat(path)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _HEADERS:
+        header = _parse_header_or_raise(path, buf)
+        _HEADERS.clear()  # one file at a time: the vocabulary is megabytes
+        _HEADERS[key] = header
+    return _HEADERS[key]
+
+
+_HEADERS: dict[tuple, tuple[dict[str, Any], list[_TensorInfo], int]] = {}
+
+
+def _parse_header_or_raise(
+    path: Path, buf: mmap.mmap
+) -> tuple[dict[str, Any], list[_TensorInfo], int]:
     try:
         return _parse_header(buf)
     except _Truncated:

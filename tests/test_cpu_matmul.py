@@ -47,16 +47,20 @@ def test_other_dtypes_take_the_xla_path():
 
 
 def random_blocks(rng, inner: int, columns: int, bits: int):
-    """codes [K, N], float16-valued scales and offsets [K / 32, N], and the float32 weight."""
+    """Code bytes [K * bits / 8, N] (GGUF's nibble order), float16-valued scales and offsets
+    [K / 32, N], and the float32 weight [K, N] they stand for."""
     if bits == 4:
-        codes = rng.integers(0, 16, (inner, columns)).astype(np.uint8)
+        values = rng.integers(0, 16, (inner, columns))
+        halves = values.reshape(inner // 32, 2, 16, columns)  # k = 32 b + 16 half + j
+        codes = (halves[:, 0] | halves[:, 1] << 4).reshape(inner // 2, columns).astype(np.uint8)
     else:
-        codes = rng.integers(-128, 128, (inner, columns)).astype(np.int8)
+        values = rng.integers(-128, 128, (inner, columns))
+        codes = values.astype(np.int8).view(np.uint8)
     scales, offsets = (
         (rng.normal(size=(inner // 32, columns)) * 0.02).astype(np.float16).astype(np.float32)
         for _ in range(2)
     )
-    weight = codes.astype(np.float32) * np.repeat(scales, 32, 0) + np.repeat(offsets, 32, 0)
+    weight = values.astype(np.float32) * np.repeat(scales, 32, 0) + np.repeat(offsets, 32, 0)
     return codes, scales, offsets, weight
 
 
@@ -94,7 +98,7 @@ def test_block_quantized_xla_fallback(bits, monkeypatch):
 def test_pack_blocks_rejects_inconsistent_shapes():
     codes, scales, offsets, _ = random_blocks(np.random.default_rng(0), 64, 10, 4)
     with pytest.raises(ValueError, match="pack_blocks"):
-        pack_blocks(codes[:48], scales, offsets, 4)  # 48 is not a whole number of blocks
+        pack_blocks(codes[:24], scales, offsets, 4)  # codes for 48 of the 64 inputs
     with pytest.raises(ValueError, match="pack_blocks"):
         pack_blocks(codes, scales[:, :5], offsets, 4)
     with pytest.raises(ValueError, match="pack_blocks"):

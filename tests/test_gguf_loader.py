@@ -529,7 +529,10 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
 
 
 def widened(b: BlockCodes) -> np.ndarray:
-    return b.codes.astype(np.float32) * np.repeat(b.scales, 32, 1) + np.repeat(b.offsets, 32, 1)
+    """The weights the CPU kernels compute from BlockCodes (their XLA form)."""
+    from kernels_pallas.cpu_matmul import _widen
+
+    return np.asarray(_widen(b.codes, b.scales, b.offsets, b.bits))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)

@@ -20,8 +20,9 @@
 // as PackedMatmul on the dequantized weights, from 0.625 (4-bit) or 1.125 (8-bit) bytes a
 // weight, plus 8 for the scale and offset per 32, instead of 4.
 //
-// Inputs: x [M, K]; codes [P, K / 2, 24] (4-bit: byte j holds k = 2j low, 2j + 1 high) or
-// [P, K, 24] (8-bit, two's complement); scales, offsets [P, K / 32, 24]; attrs columns, bits.
+// Inputs: x [M, K]; codes [P, K / 2, 24] (4-bit, in GGUF's order: byte 16 b + j holds k = 32 b + j
+// in its low nibble and 32 b + j + 16 in its high one) or [P, K, 24] (8-bit, two's complement);
+// scales, offsets [P, K / 32, 24]; attrs columns, bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -129,14 +130,15 @@ void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets,
     if (bits == 4) {
       const uint8_t* q = codes + b * (kBlock / 2) * kPanel;
       const __m256i low = _mm256_set1_epi32(0x0F);
-      for (int64_t j = 0; j < kBlock / 2; ++j, q += kPanel, out += 2 * kPanel)
+      float* high_out = out + kBlock / 2 * kPanel;
+      for (int64_t j = 0; j < kBlock / 2; ++j, q += kPanel, out += kPanel, high_out += kPanel)
 #pragma GCC unroll 3
         for (int c = 0; c < 3; ++c) {
           const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * c)));
-          const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
-          const __m256 odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-          _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(even, s[c], o[c]));
-          _mm256_storeu_ps(out + kPanel + 8 * c, _mm256_fmadd_ps(odd, s[c], o[c]));
+          const __m256 low_k = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          const __m256 high_k = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(low_k, s[c], o[c]));
+          _mm256_storeu_ps(high_out + 8 * c, _mm256_fmadd_ps(high_k, s[c], o[c]));
         }
     } else {
       const int8_t* q = reinterpret_cast<const int8_t*>(codes) + b * kBlock * kPanel;
@@ -151,7 +153,7 @@ void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets,
     for (int64_t k = 0; k < kBlock; ++k)
       for (int64_t c = 0; c < kPanel; ++c) {
         const int code =
-            bits == 4 ? (codes[(b * kBlock + k) / 2 * kPanel + c] >> (4 * (k % 2))) & 0x0F
+            bits == 4 ? (codes[(b * kBlock / 2 + k % 16) * kPanel + c] >> (4 * (k / 16))) & 0x0F
                       : reinterpret_cast<const int8_t*>(codes)[(b * kBlock + k) * kPanel + c];
         // fma: the product is exact, so one rounding, as in the AVX2 path and the loader.
         out[k * kPanel + c] = std::fma(static_cast<float>(code), scale[c], offset[c]);

@@ -5,7 +5,8 @@ matmul FLOP/s for the model's own shapes, in the same run.
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
 (the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
-CPU matmul kernel (`kernels_pallas/cpu_matmul.py`); the best of them is the ceiling.
+CPU matmul kernels (`kernels_pallas/cpu_matmul.py`: float32 panels, and the 4-bit block codes
+the engine runs a GGUF's weights as); the best of them is the ceiling.
 Model FLOPs of a step: 2 x (layer parameters) per computed token, 2 x H x V per sampled row
 (the LM head runs only on those), and attention 4 x context x heads x head_dim per token per
 layer (causal: a query at position p attends to p + 1 keys), counted from the scheduler's
@@ -45,9 +46,20 @@ def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
         "w_down": (inter, h),
         "lm_head": (h, config.vocab_size),
     }
-    from kernels_pallas.cpu_matmul import pack, packed_matmul
+    from kernels_pallas.cpu_matmul import BLOCK, pack, pack_blocks, packed_matmul
 
-    kinds = {"xla": (jax.jit(lambda x, w: x @ w), lambda w: w), "packed": (packed_matmul, pack)}
+    def blocks(w):  # random 4-bit codes with float16 scales and offsets, as in Q4_1
+        rng = np.random.default_rng(2)
+        k, n = w.shape
+        codes = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)
+        scales = rng.random((k // BLOCK, n)).astype(np.float16).astype(np.float32)
+        return pack_blocks(codes, scales, -8 * scales, 4)
+
+    kinds = {
+        "xla": (jax.jit(lambda x, w: x @ w), lambda w: w),
+        "packed": (packed_matmul, pack),
+        "blocks": (packed_matmul, blocks),
+    }
     result = {}
     for t in tokens:
         for name, (k, n) in shapes.items():

@@ -70,7 +70,7 @@ def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
     """[K, N] -> PackedWeight. Laid out with numpy on the host: at load time, eager jnp ops
     per weight would cost a dispatch (and a cached executable) each."""
     w = np.asarray(weight)
-    return PackedWeight(jnp.asarray(_panels(w)), w.shape[1])
+    return PackedWeight(jax.device_put(_panels(w)), w.shape[1])
 
 
 def pack_blocks(
@@ -82,9 +82,9 @@ def pack_blocks(
     if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
         raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
     return QuantizedWeight(
-        jnp.asarray(_panels(np.asarray(codes).view(np.uint8))),
-        jnp.asarray(_panels(np.asarray(scales, np.float32))),
-        jnp.asarray(_panels(np.asarray(offsets, np.float32))),
+        jax.device_put(_panels(np.asarray(codes).view(np.uint8))),
+        jax.device_put(_panels(np.asarray(scales, np.float32))),
+        jax.device_put(_panels(np.asarray(offsets, np.float32))),
         n,
         bits,
     )

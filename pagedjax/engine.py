@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import cpu_kernels
 from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
@@ -92,8 +93,9 @@ class LLMEngine:
         matmul_blocks = None
         if model_config is None or params is None:
             model_config, params = load_model(config.model, dtype)
-            if jax.default_backend() == "cpu" and dtype == jnp.float32:
+            if dtype == jnp.float32 and cpu_kernels.usable():
                 # A GGUF's quantized matmul weights as stored: exact, and 5x fewer bytes a step.
+                # (Without the C++ kernel XLA would widen every weight on every call.)
                 matmul_blocks = load_matmul_blocks(config.model, model_config)
         self.model_config = model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)

@@ -447,11 +447,12 @@ def _read_header(path: Path, buf: mmap.mmap) -> tuple[dict[str, Any], list[_Tens
     size and modification time stay the same."""
     stat = os.stat(path)
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _HEADERS:
+    header = _HEADERS.get(key)  # (the engine's tokenizer thread reads it too)
+    if header is None:
         header = _parse_header_or_raise(path, buf)
         _HEADERS.clear()  # one file at a time: the vocabulary is megabytes
         _HEADERS[key] = header
-    return _HEADERS[key]
+    return header
 
 
 _HEADERS: dict[tuple, tuple[dict[str, Any], list[_TensorInfo], int]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -91,14 +92,18 @@ class LLMEngine:
         self.config = config
         dtype = jnp.dtype(config.dtype)
         matmul_blocks = None
-        if model_config is None or params is None:
-            model_config, params = load_model(config.model, dtype)
-            if dtype == jnp.float32 and cpu_kernels.usable():
-                # A GGUF's quantized matmul weights as stored: exact, and 5x fewer bytes a step.
-                # (Without the C++ kernel XLA would widen every weight on every call.)
-                matmul_blocks = load_matmul_blocks(config.model, model_config)
+        # The tokenizer loads on a thread meanwhile: most of its 2-4 s is importing
+        # transformers, while the weights' numpy work releases the GIL.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
+            if model_config is None or params is None:
+                model_config, params = load_model(config.model, dtype)
+                if dtype == jnp.float32 and cpu_kernels.usable():
+                    # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes.
+                    # (Without the C++ kernel XLA would widen every weight on every call.)
+                    matmul_blocks = load_matmul_blocks(config.model, model_config)
+            self.tokenizer = tokenizer if pending is None else pending.result()
         self.model_config = model_config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
 
         kv_dtype = (
             dtype if config.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[config.kv_cache_dtype]

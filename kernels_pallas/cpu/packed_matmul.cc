@@ -14,11 +14,12 @@
 //
 // QuantizedMatmul takes the same panels held as GGUF-style block codes instead (Q4_0, Q4_1 and
 // Q8_0 weights as the file stores them): w[k, c] = code * scale + offset, with one scale and
-// offset per 32 k and column. That float32 value is exact (the code times a float16 scale
-// needs at most 15 bits), so it equals the loader's dequantized weight bit for bit, and each
-// panel is widened into a float32 scratch panel and run through the same tile: the same sums
-// as PackedMatmul on the dequantized weights, from 0.625 (4-bit) or 1.125 (8-bit) bytes a
-// weight, plus 8 for the scale and offset per 32, instead of 4.
+// offset per 32 k and column. The product is exact (a code of at most 8 bits times a float16
+// scale has at most 19 significant bits), so one fused multiply-add rounds the weight exactly
+// as the loader's dequantization does, bit for bit. Each panel is widened into a float32
+// scratch panel and run through the same tile: the same sums as PackedMatmul on the
+// dequantized weights, from 0.5 (4-bit) or 1 byte a weight, plus 8 bytes of scale and offset
+// per 32, instead of 4.
 //
 // Inputs: x [M, K]; codes [P, K / 2, 24] (4-bit, in GGUF's order: byte 16 b + j holds k = 32 b + j
 // in its low nibble and 32 b + j + 16 in its high one) or [P, K, 24] (8-bit, two's complement);

@@ -691,3 +691,40 @@ def test_default_model_path_when_package_missing(monkeypatch: pytest.MonkeyPatch
 def test_tokenizer_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         gguf_tokenizer(tmp_path / "nope.gguf")
+
+
+def test_engine_runs_a_gguf_quantized_weights_as_stored(tmp_path: Path, monkeypatch) -> None:
+    """An engine that loads a Q4_1 GGUF itself keeps its block codes (greedy tokens as with the
+    float32 weights handed over as params); without the C++ kernel it keeps float32 weights."""
+    from kernels_pallas import cpu_kernels
+    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
+    from models.loader import load_model
+    from pagedjax.config import EngineConfig
+    from pagedjax.engine import LLMEngine
+    from pagedjax.sampling_params import SamplingParams
+    from tests.conftest import build_tiny_tokenizer
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, qtype=Q.Q4_1)
+    settings = EngineConfig(model=str(path), max_model_len=64, num_kv_blocks=16)
+    tokenizer = build_tiny_tokenizer(TINY["vocab"])
+
+    def greedy(engine: LLMEngine) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate([[1, 5, 7, 9, 11, 3], [1, 20, 21]]):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[str(i)].outputs[0].token_ids for i in range(2)]
+
+    quantized = LLMEngine(settings, tokenizer=tokenizer)
+    assert isinstance(quantized.runner.params["lm_head"], QuantizedWeight)
+    plain = LLMEngine(settings, *load_model(path), tokenizer)
+    assert isinstance(plain.runner.params["lm_head"], PackedWeight)
+    assert greedy(quantized) == greedy(plain)
+
+    monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
+    assert isinstance(
+        LLMEngine(settings, tokenizer=tokenizer).runner.params["lm_head"], PackedWeight
+    )

@@ -92,17 +92,17 @@ class LLMEngine:
         self.config = config
         dtype = jnp.dtype(config.dtype)
         matmul_blocks = None
-        # The tokenizer loads on a thread meanwhile: most of its 2-4 s is importing
-        # transformers, while the weights' numpy work releases the GIL.
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
-            if model_config is None or params is None:
-                model_config, params = load_model(config.model, dtype)
-                if dtype == jnp.float32 and cpu_kernels.usable():
-                    # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes.
-                    # (Without the C++ kernel XLA would widen every weight on every call.)
-                    matmul_blocks = load_matmul_blocks(config.model, model_config)
-            self.tokenizer = tokenizer if pending is None else pending.result()
+        # The tokenizer loads on a thread while the weights load and pack: most of its 2-4 s
+        # is importing transformers, and the weights' numpy work releases the GIL.
+        pool = ThreadPoolExecutor(1)
+        pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
+        pool.shutdown(wait=False)  # the load already submitted runs on
+        if model_config is None or params is None:
+            model_config, params = load_model(config.model, dtype)
+            if dtype == jnp.float32 and cpu_kernels.usable():
+                # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes.
+                # (Without the C++ kernel XLA would widen every weight on every call.)
+                matmul_blocks = load_matmul_blocks(config.model, model_config)
         self.model_config = model_config
 
         kv_dtype = (
@@ -140,6 +140,7 @@ class LLMEngine:
             kv_dtype=kv_dtype,
             matmul_blocks=matmul_blocks,
         )
+        self.tokenizer = tokenizer if pending is None else pending.result()
         self.eos_token_ids = frozenset(
             model_config.eos_token_ids
             + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())

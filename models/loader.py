@@ -111,6 +111,10 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype) -> P
                 if config.attention_bias and name == "wqkv":
                     layers["bqkv"][i, column : column + w.shape[1]] = get(f"{p}{part}.bias")
                 column += w.shape[1]
+            if column != layers[name].shape[2]:  # too narrow: would leave columns unset
+                raise ValueError(
+                    f"{p}{'+'.join(parts)}: {column} outputs, not {layers[name].shape[2]}"
+                )
         if config.qk_norm:
             layers["q_norm"][i] = get(p + "self_attn.q_norm.weight")
             layers["k_norm"][i] = get(p + "self_attn.k_norm.weight")

@@ -92,6 +92,13 @@ def test_config_that_disagrees_with_the_weights(saved_llama, tmp_path):
     with pytest.raises(ModelLoadError, match="shape"):
         load_model(path)
 
+    # Projections narrower than the config's fused width are refused, not left half-filled.
+    config["intermediate_size"] -= 8
+    config["head_dim"] = 2 * config["hidden_size"] // config["num_attention_heads"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="q_proj.*outputs, not"):
+        load_model(path)
+
 
 def test_unsupported_rope_scaling(saved_llama, tmp_path):
     path = _copy(saved_llama, tmp_path)

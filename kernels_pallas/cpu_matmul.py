@@ -55,11 +55,11 @@ class QuantizedWeight:
     bits: int = dataclasses.field(metadata=dict(static=True))
 
 
-def _panels(w: np.ndarray, fill: float = 0) -> np.ndarray:
-    """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], `fill` past N."""
+def _panels(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], zero past N."""
     k, n = w.shape
     num_panels, full = -(-n // PANEL), n // PANEL
-    panels = np.full((num_panels, k, PANEL), fill, w.dtype)
+    panels = np.zeros((num_panels, k, PANEL), w.dtype)
     panels[:full] = w[:, : full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2)
     if full < num_panels:
         panels[full, :, : n - full * PANEL] = w[:, full * PANEL :]
@@ -90,7 +90,7 @@ def pack_blocks(
     )
 
 
-def _widen(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int) -> jax.Array:
+def widen_blocks(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int) -> jax.Array:
     """Codes [..., K * bits / 8] with scales and offsets [..., K / 32] -> weights [..., K]."""
     if bits == 4:
         codes = codes.reshape(*codes.shape[:-1], -1, BLOCK // 2)  # [..., K / 32, 16]
@@ -117,8 +117,8 @@ def packed_matmul(x: jax.Array, weight: PackedWeight | QuantizedWeight) -> jax.A
                 columns=np.int64(weight.columns),
                 bits=np.int64(weight.bits),
             )
-        # [P, 24, K]: k last for _widen, then the same product as below.
-        panels = _widen(
+        # [P, 24, K]: k last for widen_blocks, then the same product as below.
+        panels = widen_blocks(
             *(a.transpose(0, 2, 1) for a in (weight.codes, weight.scales, weight.offsets)),
             weight.bits,
         )
@@ -137,5 +137,5 @@ def packed_columns(weight: PackedWeight | QuantizedWeight, index: jax.Array) -> 
     panel, column = index // PANEL, index % PANEL
     if isinstance(weight, QuantizedWeight):
         picked = (a[panel, :, column] for a in (weight.codes, weight.scales, weight.offsets))
-        return _widen(*picked, weight.bits)
+        return widen_blocks(*picked, weight.bits)
     return weight.panels[panel, :, column]

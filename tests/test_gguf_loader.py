@@ -530,9 +530,9 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
 
 def widened(b: BlockCodes) -> np.ndarray:
     """The weights the CPU kernels compute from BlockCodes (their XLA form)."""
-    from kernels_pallas.cpu_matmul import _widen
+    from kernels_pallas.cpu_matmul import widen_blocks
 
-    return np.asarray(_widen(b.codes, b.scales, b.offsets, b.bits))
+    return np.asarray(widen_blocks(b.codes, b.scales, b.offsets, b.bits))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)

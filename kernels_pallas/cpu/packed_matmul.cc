@@ -83,6 +83,29 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>};
 
+// out [M, N] = x [M, K] @ the panels, where panel(p) gives panel p as float32 [K, 24] (called
+// once per panel, on the thread that multiplies it). Threads take ranges of panels: about four
+// items per thread, and at most 32 panels each, since the item a thread finishes last is the
+// other's idle time. Uncapped, the LM head's items (256 panels, about 9 ms) left one thread
+// idle for 5 ms of a 71 ms call in a W2 decode step.
+template <typename PanelFn>
+void MultiplyPanels(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                    float* out, const PanelFn& panel) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
+  pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
+    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
+      const float* weights = panel(p);
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m);
+        kTile[rows](x + m * K, K, weights, K, out + m * N + p * kPanel, N, cols);
+      }
+    }
+  });
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> packed, int64_t columns,
                             ffi::ResultBuffer<ffi::F32> out) {
@@ -91,26 +114,10 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("packed_matmul: expected x [M, K], packed [P, K, 24]");
   if (columns <= 0 || columns > p_dims[0] * kPanel || out->dimensions()[1] != columns)
     return ffi::Error::InvalidArgument("packed_matmul: columns out of the packed range");
-  const float* xs = x.typed_data();
   const float* weights = packed.typed_data();
-  float* result = out->typed_data();
-  const int64_t M = x_dims[0], K = x_dims[1], N = columns;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  // About four items per thread, and at most 32 panels each: the item a thread finishes last
-  // is the other's idle time. Uncapped, the LM head's items (256 panels, about 9 ms) left one
-  // thread idle for 5 ms of a 71 ms call in a W2 decode step.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
-  pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
-    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        kTile[rows](xs + m * K, K, weights + p * K * kPanel, K, result + m * N + p * kPanel, N,
-                    cols);
-      }
-    }
-  });
+  const int64_t K = x_dims[1];
+  MultiplyPanels(pool, x.typed_data(), x_dims[0], K, columns, out->typed_data(),
+                 [&](int64_t p) { return weights + p * K * kPanel; });
   return ffi::Error::Success();
 }
 
@@ -177,25 +184,15 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("quantized_matmul: codes/scales/offsets do not match x");
   if (columns <= 0 || columns > panels * kPanel || out->dimensions()[1] != columns)
     return ffi::Error::InvalidArgument("quantized_matmul: columns out of the packed range");
-  const float* xs = x.typed_data();
-  float* result = out->typed_data();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
   const int64_t code_stride = c_dims[1] * kPanel, scale_stride = s_dims[1] * kPanel;
-  pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
+  MultiplyPanels(pool, x.typed_data(), M, K, N, out->typed_data(), [&](int64_t p) {
     // Per thread, reused across calls: a [K, 24] panel (55 KB at K = 576) stays in L2.
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < K * kPanel) scratch.resize(K * kPanel);
-    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
-      WidenPanel(codes.typed_data() + p * code_stride, scales.typed_data() + p * scale_stride,
-                 offsets.typed_data() + p * scale_stride, K, static_cast<int>(bits),
-                 scratch.data());
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        kTile[rows](xs + m * K, K, scratch.data(), K, result + m * N + p * kPanel, N, cols);
-      }
-    }
+    WidenPanel(codes.typed_data() + p * code_stride, scales.typed_data() + p * scale_stride,
+               offsets.typed_data() + p * scale_stride, K, static_cast<int>(bits),
+               scratch.data());
+    return static_cast<const float*>(scratch.data());
   });
   return ffi::Error::Success();
 }

@@ -233,6 +233,18 @@ def test_steady_workload_compiles_nothing_after_warmup(tiny):
     assert engine.runner.num_compilations == compiled
 
 
+def test_token_buckets_end_at_the_budget_and_pad_little():
+    from pagedjax.worker.model_runner import token_buckets
+
+    assert token_buckets(512) == [1, 4, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(100) == [1, 4, 16, 32, 64, 100] and token_buckets(1) == [1]
+    for budget in (129, 600, 2048, 8192):
+        buckets = token_buckets(budget)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == budget
+        for n in range(128, budget + 1):  # past 128 a step pads less than a third of its rows
+            assert next(b for b in buckets if b >= n) < 1.5 * n
+
+
 def test_penalty_histories_do_not_recompile_the_sampler_as_outputs_grow(tiny):
     engine = make_engine(tiny, enable_prefix_caching=False)  # both runs prefill alike
     prompt = make_prompts(1, seed=12)

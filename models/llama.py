@@ -54,32 +54,33 @@ AttentionFn = Callable[..., jax.Array]
 MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def pack_matmul_weights(params: Params, blocks: dict | None = None) -> Params:
+def pack_matmul_weights(params: Params) -> Params:
     """Params for XLA:CPU: each stacked matmul weight [L, in, out] becomes a tuple of L
     `PackedWeight`s, and the LM head one `PackedWeight`. With tied embeddings the packed head
     is the embeddings' transpose and replaces them (the token lookup reads it).
 
-    `blocks` (from `models.loader.load_matmul_blocks`) holds weights as a GGUF stores them,
-    block-quantized; those are packed as `QuantizedWeight`s instead, which compute the same
-    products from a fifth of the bytes."""
-    blocks = blocks or {}
+    Weights that `models.loader.load_model(keep_blocks=True)` kept as a GGUF stores them,
+    block-quantized (a tuple of per-layer BlockCodes [out, in], or one for the LM head), are
+    packed as `QuantizedWeight`s instead, which compute the same products from a fifth of the
+    bytes."""
 
-    def from_blocks(b) -> QuantizedWeight:
-        return pack_blocks(b.codes.T, b.scales.T, b.offsets.T, b.bits)
+    def packed(w) -> PackedWeight | QuantizedWeight:  # w: [in, out] floats, or BlockCodes
+        if isinstance(w, np.ndarray | jax.Array):
+            return pack(w)
+        return pack_blocks(w.codes.T, w.scales.T, w.offsets.T, w.bits)
 
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        if name in blocks:
-            layers[name] = tuple(from_blocks(b) for b in blocks[name])
-        else:
-            layers[name] = tuple(pack(w) for w in np.asarray(layers[name]))
+        weights = layers[name]
+        layers[name] = tuple(
+            packed(w) for w in (weights if isinstance(weights, tuple) else np.asarray(weights))
+        )
     if "lm_head" in params:
         rest, head = params, params["lm_head"]
     else:
         rest = {k: v for k, v in params.items() if k != "embed"}
         head = np.asarray(params["embed"]).T
-    lm_head = from_blocks(blocks["lm_head"]) if "lm_head" in blocks else pack(head)
-    return {**rest, "layers": layers, "lm_head": lm_head}
+    return {**rest, "layers": layers, "lm_head": packed(head)}
 
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:

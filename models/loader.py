@@ -69,30 +69,47 @@ FUSED_MATMULS = {
 
 
 def params_from_hf_tensors(
-    config: ModelConfig, get: TensorGetter, dtype: jnp.dtype = jnp.float32
+    config: ModelConfig,
+    get: TensorGetter,
+    dtype: jnp.dtype = jnp.float32,
+    blocks: dict[str, BlockCodes | tuple[BlockCodes, ...]] | None = None,
 ) -> Params:
-    """Stacks per-layer HF tensors ([out, in] weights) into our fused [in, out] layout."""
+    """Stacks per-layer HF tensors ([out, in] weights) into our fused [in, out] layout; the
+    weights in `blocks` (see `_fused_blocks`) go in as they are, and are not read."""
     try:
-        return _stack_params(config, get, dtype)
+        params = _stack_params(config, get, dtype, blocks or {})
     except ValueError as e:  # numpy's broadcast error on a tensor of the wrong shape
         raise ModelLoadError(f"a weight's shape does not match the config: {e}") from e
+    for name, weight in (blocks or {}).items():
+        if name == "lm_head":
+            params["lm_head"] = weight
+        else:
+            params["layers"][name] = weight
+    return params
 
 
-def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype) -> Params:
+def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, blocks: dict) -> Params:
     L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
     Q, KV = config.q_size, config.kv_size
 
     def stacked(shape: tuple[int, ...]) -> np.ndarray:
         return np.empty((L, *shape), np.float32)
 
-    layers = {
-        "attn_norm": stacked((H,)),
-        "wqkv": stacked((H, Q + 2 * KV)),
-        "wo": stacked((Q, H)),
-        "mlp_norm": stacked((H,)),
-        "w_gate_up": stacked((H, 2 * I)),
-        "w_down": stacked((I, H)),
+    matmul_shapes = {
+        "wqkv": (H, Q + 2 * KV),
+        "wo": (Q, H),
+        "w_gate_up": (H, 2 * I),
+        "w_down": (I, H),
     }
+    for name, kept in blocks.items():
+        k, n = matmul_shapes.get(name, (H, config.vocab_size))  # the LM head: [V, H]
+        for w in kept if isinstance(kept, tuple) else (kept,):
+            if w.scales.shape != (n, k // 32):
+                rows, inputs = w.scales.shape[0], w.scales.shape[1] * 32
+                raise ValueError(f"{name} is {rows} x {inputs} block codes, not {n} x {k}")
+    matmuls = {name: parts for name, parts in FUSED_MATMULS.items() if name not in blocks}
+    layers = {"attn_norm": stacked((H,)), "mlp_norm": stacked((H,))}
+    layers.update({name: stacked(matmul_shapes[name]) for name in matmuls})
     if config.attention_bias:
         layers["bqkv"] = stacked((Q + 2 * KV,))
     if config.qk_norm:
@@ -103,32 +120,31 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype) -> P
         p = f"model.layers.{i}."
         layers["attn_norm"][i] = get(p + "input_layernorm.weight")
         layers["mlp_norm"][i] = get(p + "post_attention_layernorm.weight")
-        for name, parts in FUSED_MATMULS.items():
+        for name, parts in matmuls.items():
             column = 0
             for part in parts:
                 w = get(f"{p}{part}.weight").T
                 layers[name][i, :, column : column + w.shape[1]] = w
-                if config.attention_bias and name == "wqkv":
-                    layers["bqkv"][i, column : column + w.shape[1]] = get(f"{p}{part}.bias")
                 column += w.shape[1]
             if column != layers[name].shape[2]:  # too narrow: would leave columns unset
                 raise ValueError(
                     f"{p}{'+'.join(parts)}: {column} outputs, not {layers[name].shape[2]}"
                 )
+        if config.attention_bias:
+            layers["bqkv"][i] = np.concatenate([get(f"{p}{q}.bias") for q in FUSED_MATMULS["wqkv"]])
         if config.qk_norm:
             layers["q_norm"][i] = get(p + "self_attn.q_norm.weight")
             layers["k_norm"][i] = get(p + "self_attn.k_norm.weight")
 
-    params: Params = {
-        "embed": get("model.embed_tokens.weight"),
-        "layers": layers,
-        "final_norm": get("model.norm.weight"),
-    }
-    if not config.tie_word_embeddings:
+    params: Params = {"layers": layers, "final_norm": get("model.norm.weight")}
+    # Tied embeddings kept as block codes serve the lookups too (pack_matmul_weights).
+    if not (config.tie_word_embeddings and "lm_head" in blocks):
+        params["embed"] = get("model.embed_tokens.weight")
+        embed_shape = (config.vocab_size, config.hidden_size)
+        if params["embed"].shape != embed_shape:
+            raise ValueError(f"embeddings are {params['embed'].shape}, expected {embed_shape}")
+    if not config.tie_word_embeddings and "lm_head" not in blocks:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    embed_shape = (config.vocab_size, config.hidden_size)
-    if params["embed"].shape != embed_shape:
-        raise ValueError(f"embeddings are {params['embed'].shape}, expected {embed_shape}")
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
 
 
@@ -195,47 +211,54 @@ def read_hf_config(directory: Path) -> dict:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, dtype: jnp.dtype = jnp.float32
+    model: str | os.PathLike | None = None,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    keep_blocks: bool = False,
 ) -> tuple[ModelConfig, Params]:
-    """Loads config and params from a HF directory, a .gguf file, or the default model."""
-    files = resolve_model_path(model)
-    if files.is_gguf:
-        from models.gguf_loader import read_gguf
+    """Loads config and params from a HF directory, a .gguf file, or the default model.
 
-        hf_config, tensors = read_gguf(files.path)
+    keep_blocks: the matmul weights a GGUF stores block-quantized (Q4_0, Q4_1, Q8_0) stay as
+    the file holds them, fused as the float32 ones are: each of "wqkv", "wo", "w_gate_up" and
+    "w_down" whose parts are all block codes of one width becomes a tuple of per-layer
+    BlockCodes [out, in], and "lm_head" a BlockCodes [V, H] (with tied embeddings, in place of
+    "embed"). Only `models.llama.pack_matmul_weights` takes such params: the CPU's packed
+    kernels compute the float32 weights' products from them exactly, from a fifth of the
+    bytes. Other weights, and every weight of a Hugging Face directory, load as float arrays.
+    """
+    files = resolve_model_path(model)
+    blocks = {}
+    if files.is_gguf:
+        from models.gguf_loader import BlockCodes, read_gguf
+
+        hf_config, tensors = read_gguf(files.path, keep_blocks=keep_blocks)
         config = model_config_from_hf(hf_config)
-        getter = _checked_getter(tensors.__getitem__, str(files.path))
+        if keep_blocks:
+            blocks = _fused_blocks(config, tensors)
+
+        def tensor(name: str) -> np.ndarray:
+            w = tensors[name]
+            return w.values() if isinstance(w, BlockCodes) else w
+
+        getter = _checked_getter(tensor, str(files.path))
     else:
         config = model_config_from_hf(read_hf_config(files.path))
         getter = _checked_getter(_safetensors_getter(files.path), str(files.path))
-    return config, params_from_hf_tensors(config, getter, dtype)
+    return config, params_from_hf_tensors(config, getter, dtype, blocks)
 
 
-def load_matmul_blocks(
-    model: str | os.PathLike | None, config: ModelConfig
+def _fused_blocks(
+    config: ModelConfig, tensors: dict[str, np.ndarray | BlockCodes]
 ) -> dict[str, BlockCodes | tuple[BlockCodes, ...]]:
-    """The matmul weights a GGUF stores block-quantized (Q4_0, Q4_1, Q8_0), as the file holds
-    them and fused as `params_from_hf_tensors` fuses them: {"wqkv" etc.: per-layer BlockCodes
-    [out, in], "lm_head": BlockCodes [V, H]}, for `pack_matmul_weights` to run matmuls on in
-    place of their float32 values (which they equal exactly). A weight whose parts are not all
-    block codes of one width is left out, and so is every weight of a Hugging Face directory."""
-    files = resolve_model_path(model)
-    if not files.is_gguf:
-        return {}
-    from models.gguf_loader import BlockCodes, read_gguf
-
-    _, tensors = read_gguf(files.path, keep_blocks=True)
+    """The matmul weights whose parts `read_gguf(keep_blocks=True)` gave as block codes of one
+    width, fused like the float32 ones: {"wqkv" etc.: per-layer BlockCodes, "lm_head": ...}."""
+    from models.gguf_loader import BlockCodes
 
     def fused(names: list[str]) -> BlockCodes | None:
         parts = [tensors.get(name) for name in names]
         if not all(isinstance(b, BlockCodes) and b.bits == parts[0].bits for b in parts):
             return None
-        return BlockCodes(
-            np.concatenate([b.codes for b in parts]),
-            np.concatenate([b.scales for b in parts]),
-            np.concatenate([b.offsets for b in parts]),
-            parts[0].bits,
-        )
+        return BlockCodes.concatenate(parts)
 
     blocks: dict[str, BlockCodes | tuple[BlockCodes, ...]] = {}
     for name, projections in FUSED_MATMULS.items():

@@ -85,24 +85,22 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer=None,
     ):
-        from models.loader import load_matmul_blocks, load_model, load_tokenizer
+        from models.loader import load_model, load_tokenizer
 
         if config.block_size is None:
             config = replace(config, block_size=default_block_size())
         self.config = config
         dtype = jnp.dtype(config.dtype)
-        matmul_blocks = None
         # The tokenizer loads on a thread while the weights load and pack: most of its 2-4 s
         # is importing transformers, and the weights' numpy work releases the GIL.
         pool = ThreadPoolExecutor(1)
         pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
         if model_config is None or params is None:
-            model_config, params = load_model(config.model, dtype)
-            if dtype == jnp.float32 and cpu_kernels.usable():
-                # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes.
-                # (Without the C++ kernel XLA would widen every weight on every call.)
-                matmul_blocks = load_matmul_blocks(config.model, model_config)
+            # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes. (Without
+            # the C++ kernel XLA would widen every weight on every call.)
+            keep_blocks = dtype == jnp.float32 and cpu_kernels.usable()
+            model_config, params = load_model(config.model, dtype, keep_blocks=keep_blocks)
         self.model_config = model_config
 
         kv_dtype = (
@@ -138,7 +136,6 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             attention_fn=_attention_fn(config.attention_backend),
             kv_dtype=kv_dtype,
-            matmul_blocks=matmul_blocks,
         )
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.eos_token_ids = frozenset(

@@ -53,6 +53,7 @@ def write_tiny_gguf(
     arch: str = "llama",
     *,
     qtype: Q = Q.F32,
+    qtypes: dict[str, Q] | None = None,
     head_dim: int = 16,
     tied: bool = True,
     bias: bool = False,
@@ -62,7 +63,8 @@ def write_tiny_gguf(
     seed: int = 0,
     add_tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Writes a random 2-layer model as llama.cpp would; returns the HF tensors to expect."""
+    """Writes a random 2-layer model as llama.cpp would; returns the HF tensors to expect.
+    Matrices are stored as `qtype`, or as `qtypes[gguf name]` where it names them."""
     rng = np.random.default_rng(seed)
     t = TINY
     hd, heads, kv = head_dim, t["heads"], t["kv_heads"]
@@ -100,10 +102,11 @@ def write_tiny_gguf(
         stored = hf_value
         if arch == "llama" and n_head:
             stored = permute_like_llama_cpp(hf_value, n_head)
-        if hf_value.ndim == 2 and qtype != Q.F32:
-            raw = gguf.quants.quantize(stored, qtype)
-            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
-            stored = gguf.quants.dequantize(raw, qtype)
+        stored_type = (qtypes or {}).get(gguf_name, qtype)
+        if hf_value.ndim == 2 and stored_type != Q.F32:
+            raw = gguf.quants.quantize(stored, stored_type)
+            writer.add_tensor(gguf_name, raw, raw_dtype=stored_type)
+            stored = gguf.quants.dequantize(raw, stored_type)
             if arch == "llama" and n_head:
                 stored = unpermute_rotary(stored, n_head)
             hf_value = stored
@@ -551,42 +554,77 @@ def test_block_codes_are_the_dequantized_values(qtype: Q) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16], ids=lambda q: q.name)
 def test_quantized_matmuls_give_the_float32_logits(tmp_path: Path, arch: str, qtype: Q) -> None:
-    """load_matmul_blocks keeps a GGUF's quantized weights (Q/K rows unpermuted, projections
-    fused); the CPU runner's matmuls on them give the float32 weights' logits bit for bit."""
-    from kernels_pallas.cpu_matmul import QuantizedWeight
-    from kernels_pallas.kv_cache import allocate_kv_cache
-    from kernels_pallas.metadata import build_metadata, token_positions
-    from kernels_pallas.xla_attention import ragged_paged_attention_xla
-    from models.llama import forward_logits_jit, pack_matmul_weights
-    from models.loader import load_matmul_blocks, load_model
+    """load_model(keep_blocks=True) keeps a GGUF's quantized weights (Q/K rows unpermuted,
+    projections fused); the CPU runner's matmuls on them give the float32 weights' logits bit
+    for bit."""
+    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
+    from models.llama import MATMUL_WEIGHTS, pack_matmul_weights
+    from models.loader import load_model
 
     tied = arch == "llama"  # qwen2: untied, with Q/K/V biases
     write_tiny_gguf(tmp_path / "m.gguf", arch, qtype=qtype, tied=tied, bias=not tied)
     config, params = load_model(tmp_path / "m.gguf")
-    blocks = load_matmul_blocks(tmp_path / "m.gguf", config)
-    if qtype == Q.F16:
-        assert blocks == {}  # nothing stored quantized: the float32 path
+    _, kept = load_model(tmp_path / "m.gguf", keep_blocks=True)
+    quantized = pack_matmul_weights(kept)
+    weights = [quantized["lm_head"], *(w for n in MATMUL_WEIGHTS for w in quantized["layers"][n])]
+    if qtype == Q.F16:  # nothing stored quantized: the float32 path
+        assert all(isinstance(w, PackedWeight) for w in weights)
         return
-    assert sorted(blocks) == ["lm_head", "w_down", "w_gate_up", "wo", "wqkv"]
-    quantized = pack_matmul_weights(params, blocks)
-    assert isinstance(quantized["lm_head"], QuantizedWeight)
+    assert all(isinstance(w, QuantizedWeight) for w in weights)
     assert ("embed" in quantized) == (arch == "qwen2")  # untied: the embeddings stay
+    if not tied:
+        np.testing.assert_array_equal(kept["layers"]["bqkv"], params["layers"]["bqkv"])
+    assert np.array_equal(
+        tiny_logits(config, pack_matmul_weights(params)), tiny_logits(config, quantized)
+    )
+
+
+def test_mixed_quantization_keeps_only_whole_projections_as_blocks(tmp_path: Path) -> None:
+    """A fused projection whose parts are not all block codes of one width (an F16 v_proj in
+    one layer; Q8_0 up next to Q4_1 gate) loads as float32; the rest stays quantized."""
+    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
+    from models.llama import pack_matmul_weights
+    from models.loader import load_model
+
+    qtypes = {"blk.1.attn_v.weight": Q.F16, "blk.0.ffn_up.weight": Q.Q8_0}
+    write_tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1, qtypes=qtypes)
+    config, params = load_model(tmp_path / "m.gguf")
+    _, kept = load_model(tmp_path / "m.gguf", keep_blocks=True)
+    quantized = pack_matmul_weights(kept)
+    kinds = {name: {type(w) for w in ws} for name, ws in quantized["layers"].items()
+             if isinstance(ws, tuple)}  # fmt: skip
+    assert kinds == {
+        "wqkv": {PackedWeight},
+        "wo": {QuantizedWeight},
+        "w_gate_up": {PackedWeight},
+        "w_down": {QuantizedWeight},
+    }
+    assert isinstance(quantized["lm_head"], QuantizedWeight)
+    assert np.array_equal(
+        tiny_logits(config, pack_matmul_weights(params)), tiny_logits(config, quantized)
+    )
+
+
+def tiny_logits(config, weights) -> np.ndarray:
+    """Logits of 13 seeded tokens, prefilled in one step through the CPU runner's path."""
+    from kernels_pallas.kv_cache import allocate_kv_cache
+    from kernels_pallas.metadata import build_metadata, token_positions
+    from kernels_pallas.xla_attention import ragged_paged_attention_xla
+    from models.llama import forward_logits_jit
+
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 13).astype(np.int32)
-    logits = []
-    for weights in (pack_matmul_weights(params), quantized):
-        cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
-        out, _ = forward_logits_jit(
-            weights,
-            config,
-            tokens,
-            token_positions([13], [13], 13),
-            cache,
-            build_metadata([13], [13], [[2, 1]], 8),
-            np.arange(13, dtype=np.int32),
-            ragged_paged_attention_xla,
-        )
-        logits.append(np.asarray(out))
-    assert np.array_equal(logits[0], logits[1])
+    cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
+    logits, _ = forward_logits_jit(
+        weights,
+        config,
+        tokens,
+        token_positions([13], [13], 13),
+        cache,
+        build_metadata([13], [13], [[2, 1]], 8),
+        np.arange(13, dtype=np.int32),
+        ragged_paged_attention_xla,
+    )
+    return np.asarray(logits)
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:

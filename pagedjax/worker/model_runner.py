@@ -152,10 +152,9 @@ class ModelRunner:
         max_num_seqs: int,
         attention_fn: AttentionFn = ragged_paged_attention_xla,
         kv_dtype: jnp.dtype = jnp.float32,
-        matmul_blocks: dict | None = None,
     ):
         if jax.default_backend() == "cpu":  # see pack_matmul_weights
-            params = pack_matmul_weights(params, matmul_blocks)
+            params = pack_matmul_weights(params)
         self.config, self.params, self.attention_fn = config, params, attention_fn
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(

@@ -605,6 +605,21 @@ def test_mixed_quantization_keeps_only_whole_projections_as_blocks(tmp_path: Pat
     )
 
 
+def test_block_codes_that_disagree_with_the_config_are_refused(tmp_path: Path) -> None:
+    from models.config import model_config_from_hf
+    from models.loader import params_from_hf_tensors
+
+    write_tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1)
+    hf_config, tensors = read_gguf(tmp_path / "m.gguf", keep_blocks=True)
+    config = model_config_from_hf(hf_config)
+    down = tensors["model.layers.0.mlp.down_proj.weight"]
+    half = down.rows(slice(0, down.scales.shape[0] // 2))
+    with pytest.raises(ModelLoadError, match="w_down is .* block codes, not"):
+        params_from_hf_tensors(
+            config, tensors.__getitem__, blocks={"w_down": (half,) * config.num_layers}
+        )
+
+
 def tiny_logits(config, weights) -> np.ndarray:
     """Logits of 13 seeded tokens, prefilled in one step through the CPU runner's path."""
     from kernels_pallas.kv_cache import allocate_kv_cache

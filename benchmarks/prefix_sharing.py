@@ -70,11 +70,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
 
+    from kernels_pallas import cpu_kernels
     from models.loader import load_model, load_tokenizer
     from pagedjax.config import EngineConfig, default_block_size
     from pagedjax.engine import LLMEngine
 
-    model_config, params = load_model(None)
+    # As the engine loads the model itself: the GGUF's quantized weights where they run.
+    model_config, params = load_model(None, keep_blocks=cpu_kernels.usable())
     tokenizer = load_tokenizer(None)
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [

@@ -77,15 +77,9 @@ def params_from_hf_tensors(
     """Stacks per-layer HF tensors ([out, in] weights) into our fused [in, out] layout; the
     weights in `blocks` (see `_fused_blocks`) go in as they are, and are not read."""
     try:
-        params = _stack_params(config, get, dtype, blocks or {})
+        return _stack_params(config, get, dtype, blocks or {})
     except ValueError as e:  # numpy's broadcast error on a tensor of the wrong shape
         raise ModelLoadError(f"a weight's shape does not match the config: {e}") from e
-    for name, weight in (blocks or {}).items():
-        if name == "lm_head":
-            params["lm_head"] = weight
-        else:
-            params["layers"][name] = weight
-    return params
 
 
 def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, blocks: dict) -> Params:
@@ -145,7 +139,10 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, bloc
             raise ValueError(f"embeddings are {params['embed'].shape}, expected {embed_shape}")
     if not config.tie_word_embeddings and "lm_head" not in blocks:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    for name, kept in blocks.items():  # as they are: only pack_matmul_weights reads them
+        (params if name == "lm_head" else params["layers"])[name] = kept
+    return params
 
 
 def _checked_getter(tensors: Callable[[str], np.ndarray], source: str) -> TensorGetter:

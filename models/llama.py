@@ -29,6 +29,7 @@ place through a `lax.switch` on the layer index, one matmul per branch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,17 @@ def pack_matmul_weights(params: Params) -> Params:
         rest = {k: v for k, v in params.items() if k != "embed"}
         head = np.asarray(params["embed"]).T
     return {**rest, "layers": layers, "lm_head": packed(head)}
+
+
+def matmul_precision(dtype: jnp.dtype) -> AbstractContextManager:
+    """The precision for the matmuls of a model in `dtype`, as a context to trace them in.
+
+    A float32 model gets true float32 products: JAX's default lets a GPU round float32 operands
+    to TF32 (a 10-bit mantissa), enough to change greedy tokens against transformers' float32.
+    16-bit models keep the default. The context is read when tracing, so every dot traced in
+    it, attention included, carries the precision explicitly; the CPU computes in float32 either
+    way."""
+    return jax.default_matmul_precision("highest" if dtype == jnp.float32 else None)
 
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
@@ -203,7 +215,8 @@ def forward(
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (scanned, layer_ids, windows))
+    with matmul_precision(x.dtype):
+        (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (scanned, layer_ids, windows))
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), kv_cache
 
 
@@ -212,9 +225,10 @@ def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     head = params.get("lm_head")
     if isinstance(head, PackedWeight | QuantizedWeight):
         return packed_matmul(hidden, head).astype(jnp.float32)
-    if head is not None:
-        return (hidden @ head).astype(jnp.float32)
-    return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)
+    with matmul_precision(hidden.dtype):
+        if head is not None:
+            return (hidden @ head).astype(jnp.float32)
+        return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)
 
 
 def forward_logits(

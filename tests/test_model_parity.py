@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -147,3 +148,23 @@ def test_low_precision_kv_pools_stay_close_to_float32(tiny_model_dir, kv_dtype, 
         f"{jnp.dtype(kv_dtype).name} KV: max abs logit error {error:.4f} (max |logit| {spread:.1f})"
     )
     assert 0 < error < tolerance * spread
+
+
+@pytest.mark.parametrize("dtype, precision", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, "DEFAULT")])
+def test_float32_models_ask_for_float32_matmuls_on_the_gpu(tiny_model_dir, dtype, precision):
+    """JAX's default lets a GPU round float32 matmul operands to TF32 (10 mantissa bits of 23),
+    far outside the 1e-4 this file allows against transformers. The forward of a float32 model,
+    lowered for CUDA, asks for true float32 in every dot: layers, attention, LM head; a 16-bit
+    model keeps the default."""
+    path, _ = tiny_model_dir("llama")
+    config, params = load_model(path)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
+    meta = build_metadata([5], [5], [[1]], 8)
+    args = (params, config, np.arange(5, dtype=np.int32), token_positions([5], [5], 5), cache)
+    traced = forward_logits_jit.trace(*args, meta, np.array([4], np.int32))
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    # wqkv, wo, w_gate_up, w_down, the two attention products, the LM head
+    assert len(dots) >= 7
+    assert all(f"precision = [{precision}, {precision}]" in line for line in dots), dots

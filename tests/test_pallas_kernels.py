@@ -29,6 +29,7 @@ from kernels_pallas.decode_attention import (
     choose_num_splits,
     decode_attention_kernel,
 )
+from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.paged_attention import (
     check_block_tables,
@@ -37,6 +38,8 @@ from kernels_pallas.paged_attention import (
     resolve_interpret,
 )
 from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
+from models.config import ModelConfig
+from models.llama import forward_logits_jit
 
 INTERPRET = resolve_interpret()
 
@@ -351,3 +354,66 @@ def test_kernel_lowers_for_cuda(
     assert len(targets) == 1, targets  # one Triton kernel, no Mosaic GPU, no fallback
     if modules:  # Triton IR embedded: verify it, and the two dots are tensor-core tt.dot
         assert verify_triton_module(modules[0]).count("tt.dot") == 2
+
+
+# The default model's shapes (SmolLM2-135M: head_dim 64, 9 query heads on 3 KV heads), the
+# GPU block size and the default max_model_len's block-table width.
+SMOLLM2 = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_seqs,kv_dtype,kernels",
+    [(1, 1, jnp.float32, 2), (128, 128, jnp.bfloat16, 2), (512, 128, jnp.float32, 1)],
+    ids=["decode-bucket", "square-bucket-bf16-pool", "mixed-bucket"],
+)
+def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, kv_dtype, kernels):
+    """The whole GPU step, as the runner traces it on a GPU (float32 stacked weights, the
+    Pallas kernels inside the layer scan, a traced layer index), lowers for CUDA. Buckets with
+    as many tokens as sequences hold both kernels behind the decode-only dispatch."""
+    c, width = SMOLLM2, 2048 // 16
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    L, H, I = c.num_layers, c.hidden_size, c.intermediate_size  # noqa: E741
+    params = {
+        "embed": f32((c.vocab_size, H)),
+        "final_norm": f32((H,)),
+        "layers": {
+            "attn_norm": f32((L, H)),
+            "mlp_norm": f32((L, H)),
+            "wqkv": f32((L, H, c.q_size + 2 * c.kv_size)),
+            "wo": f32((L, c.q_size, H)),
+            "w_gate_up": f32((L, H, 2 * I)),
+            "w_down": f32((L, I, H)),
+        },
+    }
+    pool = jax.ShapeDtypeStruct((L, c.num_kv_heads, 4096, 16, c.head_dim), kv_dtype)
+    metadata = AttentionMetadata(
+        slot_mapping=i32((num_tokens,)),
+        block_tables=i32((num_seqs, width)),
+        seq_lens=i32((num_seqs,)),
+        query_start_loc=i32((num_seqs + 1,)),
+        num_seqs=i32(()),
+        num_tokens=i32(()),
+    )
+    tokens = i32((num_tokens,))
+    attention = functools.partial(paged_attention, interpret=False)
+    traced = forward_logits_jit.trace(
+        params, c, tokens, tokens, KVCache(pool, pool), metadata, i32((num_seqs,)), attention
+    )
+    modules, targets = triton_kernels(traced.lower(lowering_platforms=("cuda",)))
+    assert len(targets) == kernels, targets
+    for module in modules:
+        verify_triton_module(module)

@@ -24,7 +24,7 @@ from pagedjax.core.scheduler import Scheduler
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.worker.model_runner import (
     ModelRunner,
     SampleRow,
@@ -347,10 +347,13 @@ class LLMEngine:
             group_id = self._group_id(seq)
             touched[group_id] = self._groups[group_id]
         self._recent_steps.append((time.monotonic(), len(row_seqs)))
-        outputs = [self._make_output(group) for group in touched.values()]
-        for output in outputs:
-            if output.finished:
-                del self._groups[output.request_id]
+        outputs = []
+        for group in touched.values():
+            finished = group.finished
+            if finished or group.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(group))
+            if finished:
+                del self._groups[group.request_id]
         return outputs
 
     def _fail_step(self, out, forks) -> list[RequestOutput]:
@@ -387,12 +390,7 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             bias = {t: -np.inf for t in seq.stop_token_ids | self.eos_token_ids}
         return SampleRow(
-            seq_index,
-            params,
-            seq.all_token_ids[: seq.num_prompt_tokens],
-            seq.all_token_ids[seq.num_prompt_tokens :],
-            seq.seed,
-            bias,
+            seq_index, params, seq.all_token_ids, seq.num_prompt_tokens, seq.seed, bias
         )
 
     def _append_token(self, seq: EngineRequest, row: int, result, now: float) -> None:
@@ -448,20 +446,25 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         completions, deltas = [], []
+        want_logprobs = group.params.logprobs is not None
+        only_new = group.params.output_kind is RequestOutputKind.DELTA
         for seq, detokenizer in zip(group.seqs, group.detokenizers, strict=True):
-            want_logprobs = group.params.logprobs is not None
+            delta = detokenizer.get_delta()
+            # DELTA: what is new since this sequence's previous output; else everything so far.
+            first = seq.num_returned_tokens if only_new else 0
+            seq.num_returned_tokens = seq.num_output_tokens
             completions.append(
                 CompletionOutput(
                     index=seq.sample_index,
-                    text=detokenizer.output_text,
-                    token_ids=seq.all_token_ids[seq.num_prompt_tokens :],
+                    text=delta if only_new else detokenizer.output_text,
+                    token_ids=seq.all_token_ids[seq.num_prompt_tokens + first :],
                     cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
-                    logprobs=seq.logprobs if want_logprobs else None,
+                    logprobs=seq.logprobs[first:] if want_logprobs else None,
                     finish_reason=seq.status.value if seq.status.finished else None,
                     stop_reason=seq.stop_reason,
                 )
             )
-            deltas.append(detokenizer.get_delta())
+            deltas.append(delta)
         parent = group.seqs[0]
         finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
         return RequestOutput(

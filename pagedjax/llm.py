@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -28,7 +28,10 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def _add(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence | None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence | None,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[str]:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -42,6 +45,9 @@ class LLM:
                 f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one "
                 "per prompt"
             )
+        if output_kind is not None:  # one copy per distinct params object, not per prompt
+            copies = {id(p): replace(p, output_kind=output_kind) for p in params}
+            params = [copies[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -60,8 +66,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs the prompts to completion; outputs come back in input order."""
-        ids = self._add(prompts, sampling_params)
+        """Runs the prompts to completion; outputs come back in input order.
+
+        As in vLLM, the requests ask for their final output only (`RequestOutputKind.FINAL_ONLY`):
+        the engine builds no output for a request that is still running."""
+        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -10,6 +10,7 @@ penalties runs the bias, argmax and finite check as one C++ pass (`cpu_sampling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -199,8 +200,8 @@ def _draw_rows(
 
 def build_sampling_metadata(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    token_ids: Sequence[Sequence[int]],
+    num_prompt_tokens: Sequence[int],
     seeds: list[int],
     *,
     num_rows: int | None = None,
@@ -209,6 +210,8 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
+    `token_ids[i]` is row i's prompt followed by its output so far (an engine passes its
+    sequences' own lists: they are sliced only for rows with penalties, never copied per step).
     Token-list widths are rounded up to powers of two, and the prompt and output histories
     (sent only when some row has a penalty) to at least `history_width`: an engine passes its
     max_model_len, so a growing output never changes a shape (no recompile mid-generation).
@@ -227,7 +230,8 @@ def build_sampling_metadata(
         width = max(_bucket(max((len(x) for x in lists), default=0)), _bucket(min_width))
         out = np.full((num_rows, width), fill, dtype)
         for i, x in enumerate(lists):
-            out[i, : len(x)] = x
+            if len(x):  # most rows have no history or bias to send: skip numpy's per-call cost
+                out[i, : len(x)] = x
         return out
 
     uses_repetition = [p.repetition_penalty != 1.0 for p in params]
@@ -235,6 +239,7 @@ def build_sampling_metadata(
         r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         for p, r in zip(params, uses_repetition, strict=True)
     ]
+    histories = list(zip(token_ids, num_prompt_tokens, strict=True))
     extra_bias = extra_bias or [{}] * real
     biases = [
         {**(p.logit_bias or {}), **extra} for p, extra in zip(params, extra_bias, strict=True)
@@ -248,13 +253,13 @@ def build_sampling_metadata(
         frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
         repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
         seeds=column([s % 2**32 for s in seeds], np.uint32, 0),
-        steps=column([len(o) for o in output_token_ids], np.int32, 0),
+        steps=column([len(t) - n for t, n in histories], np.int32, 0),
         prompt_token_ids=padded(
-            [t if r else [] for t, r in zip(prompt_token_ids, uses_repetition, strict=True)],
+            [t[:n] if r else [] for (t, n), r in zip(histories, uses_repetition, strict=True)],
             min_width=history_width if any(uses_repetition) else 1,
         ),
         output_token_ids=padded(
-            [t if u else [] for t, u in zip(output_token_ids, uses_output, strict=True)],
+            [t[n:] if u else [] for (t, n), u in zip(histories, uses_output, strict=True)],
             min_width=history_width if any(uses_output) else 1,
         ),
         bias_token_ids=padded([list(b) for b in biases]),

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # Greedy when temperature is below this, as in vLLM.
 _GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far: the whole text, all token ids and logprobs
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate asks for)
 
 
 @dataclass
@@ -29,6 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +91,10 @@ class SamplingParams:
         check(
             self.seed is None or isinstance(self.seed, int),
             f"seed must be an int or None, got {self.seed!r}",
+        )
+        check(
+            isinstance(self.output_kind, RequestOutputKind),
+            f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
         )
 
     @property

@@ -13,7 +13,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
 from pagedjax.sampler import sample
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import build_tiny_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -203,6 +203,40 @@ def test_stops_and_lengths(tiny):
     out = run(engine, [prompt], SamplingParams(max_tokens=4, **GREEDY))
     assert out[0].outputs[0].token_ids == free_run[:4]
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_output_kinds(tiny):
+    """CUMULATIVE: everything so far in each output; DELTA: only what is new, adding up to the
+    same completion; FINAL_ONLY: nothing until the request finishes, then the whole of it."""
+    prompts = make_prompts(2, seed=15)
+    outputs = {}
+    for kind in RequestOutputKind:
+        engine = make_engine(tiny)
+        params = SamplingParams(n=2, max_tokens=6, logprobs=2, seed=3, output_kind=kind)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs[kind] = []
+        while engine.has_unfinished_requests():
+            outputs[kind] += engine.step()
+
+    def final(kind, i):
+        last = [o for o in outputs[kind] if o.request_id == str(i)][-1]
+        assert last.finished
+        return [(c.text, c.token_ids, c.logprobs, c.cumulative_logprob) for c in last.outputs]
+
+    final_only = outputs[RequestOutputKind.FINAL_ONLY]
+    assert len(final_only) == 2 and all(o.finished for o in final_only)
+    for i in range(2):
+        expected = final(RequestOutputKind.CUMULATIVE, i)
+        assert final(RequestOutputKind.FINAL_ONLY, i) == expected
+        pieces = [o for o in outputs[RequestOutputKind.DELTA] if o.request_id == str(i)]
+        assert len(pieces) == 6
+        for index, (text, token_ids, logprobs, cumulative) in enumerate(expected):
+            completions = [o.outputs[index] for o in pieces]
+            assert "".join(c.text for c in completions) == text
+            assert sum((c.token_ids for c in completions), []) == token_ids
+            assert sum((c.logprobs for c in completions), []) == logprobs
+            assert completions[-1].cumulative_logprob == cumulative
 
 
 def test_eos_min_tokens_and_ignore_eos(tiny):

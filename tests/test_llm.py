@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedjax.llm import LLM
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
@@ -91,3 +91,19 @@ def test_interrupt_leaves_the_engine_usable(llm, monkeypatch):
 def test_unknown_engine_option():
     with pytest.raises(TypeError, match="unknown engine options"):
         LLM(None, not_an_option=1)
+
+
+def test_generate_builds_final_outputs_only_and_leaves_the_params_alone(llm, monkeypatch):
+    engine_step = llm.llm_engine.step
+    returned = []
+
+    def step():
+        outputs = engine_step()
+        returned.extend(outputs)
+        return outputs
+
+    monkeypatch.setattr(llm.llm_engine, "step", step)
+    outputs = llm.generate(["w5 w9", "w7 w3 w2"], GREEDY, use_tqdm=False)
+    assert len(returned) == 2 and all(o.finished for o in returned)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
+    assert GREEDY.output_kind is RequestOutputKind.CUMULATIVE

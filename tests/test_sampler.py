@@ -16,10 +16,11 @@ V = 50
 
 def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0):
     n = len(params)
+    prompts, outputs = prompts or [[]] * n, outputs or [[]] * n
     meta = build_sampling_metadata(
         params,
-        prompts or [[]] * n,
-        outputs or [[]] * n,
+        [p + o for p, o in zip(prompts, outputs, strict=True)],
+        [len(p) for p in prompts],
         seeds if seeds is not None else list(range(n)),
     )
     out = sample(np.asarray(logits, np.float32), meta, num_logprobs=num_logprobs)
@@ -147,6 +148,7 @@ def test_logit_bias_and_stop_masking():
         (dict(logprobs=100), "logprobs"),
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(output_kind=2), "output_kind"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -199,7 +201,7 @@ def test_truncation_without_a_sort_matches_sorting():
             )
             for _ in range(rows)
         ]
-        meta = build_sampling_metadata(params, [[]] * rows, [[]] * rows, [0] * rows)
+        meta = build_sampling_metadata(params, [[]] * rows, [0] * rows, [0] * rows)
         kept = np.isfinite(np.asarray(truncate(jnp.asarray(logits), meta)))
         for i, p in enumerate(params):
             want = _truncate_by_sorting(logits[i].astype(np.float64), p.top_k, p.top_p, p.min_p)
@@ -208,7 +210,7 @@ def test_truncation_without_a_sort_matches_sorting():
 
 def test_top_k_keeps_every_token_tied_at_the_threshold():
     logits = jnp.asarray([[3.0, 2.0, 2.0, 2.0, 1.0]])
-    meta = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=2)], [[]], [[]], [0])
+    meta = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=2)], [[]], [0], [0])
     assert np.isfinite(np.asarray(truncate(logits, meta))).tolist() == [
         [True, True, True, True, False]
     ]
@@ -245,7 +247,7 @@ def test_cpu_greedy_kernel_matches_xla():
     ]
     greedy = [SamplingParams(temperature=0)] * 10
     meta = build_sampling_metadata(
-        greedy, [[]] * 10, [[]] * 10, list(range(10)), num_rows=10, extra_bias=biases
+        greedy, [[]] * 10, [0] * 10, list(range(10)), num_rows=10, extra_bias=biases
     )
     ids, values = np.asarray(meta.bias_token_ids).copy(), np.asarray(meta.bias_values).copy()
     ids = np.pad(ids, ((0, 0), (0, 1)), constant_values=-1)

@@ -19,9 +19,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+    def __init__(self, value: str) -> None:
+        # A plain attribute: the engine reads it for every row of every step, and an enum's
+        # `value` is a descriptor lookup.
+        self.finished = value in ("stop", "length", "abort", "error")
 
 
 class EngineRequest(Request):
@@ -54,6 +55,7 @@ class EngineRequest(Request):
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_returned_tokens = 0  # output tokens already in a DELTA output
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         self.first_token_time: float | None = None

@@ -124,8 +124,8 @@ class SampleRow:
 
     seq_index: int
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    token_ids: Sequence[int]  # the prompt, then the output so far (the sequence's own list)
+    num_prompt_tokens: int
     seed: int
     extra_bias: dict[int, float] = field(default_factory=dict)
 
@@ -288,8 +288,8 @@ class ModelRunner:
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
-            [r.prompt_token_ids for r in rows],
-            [r.output_token_ids for r in rows],
+            [r.token_ids for r in rows],
+            [r.num_prompt_tokens for r in rows],
             [r.seed for r in rows],
             num_rows=r_pad,
             extra_bias=[r.extra_bias for r in rows],
@@ -359,7 +359,7 @@ class ModelRunner:
                     np.zeros((0, 2), np.int32),
                 )
             greedy = SamplingParams(temperature=0.0)
-            meta = build_sampling_metadata([greedy], [[]], [[]], [0], num_rows=s_pad)
+            meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
             sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - start

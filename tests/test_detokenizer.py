@@ -322,3 +322,27 @@ def test_metaspace_first_token_keeps_its_space_after_a_prompt():
     assert tok.decode([2, 3]) == "world!"
     assert stream(tok, [1], [2, 3])[0].output_text == " world!"
     assert stream(tok, [], [2, 3])[0].output_text == "world!"
+
+
+def test_decode_options_of_the_tokenizer_apply():
+    """A fast tokenizer is decoded through its backend only when transformers' decode would add
+    nothing to it: with clean-up spaces on, the tokenizer's own decode runs, clean-up included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hi": 1, "▁there": 2, "▁.": 3}
+    tokenizers = {}
+    for clean_up in (False, True):
+        backend = Tokenizer(models.WordLevel(vocab, "<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Metaspace()
+        tokenizers[clean_up] = PreTrainedTokenizerFast(
+            tokenizer_object=backend, clean_up_tokenization_spaces=clean_up
+        )
+    ids = [2, 3, 1, 3]
+    assert tokenizers[True].decode(ids) == "there. Hi."  # clean-up: " ." -> "."
+    assert tokenizers[False].decode(ids) == "there . Hi ."
+    for clean_up, tok in tokenizers.items():
+        detok = stream(tok, [], ids)[0]
+        assert detok.output_text == tok.decode(ids)
+        assert (detok._decoder is tok.backend_tokenizer) is not clean_up

@@ -235,20 +235,31 @@ class ModelRunner:
         tables.fill(NULL_BLOCK)
         seq_lens.fill(0)
         query_start.fill(num_tokens)
-        query_start[0] = 0
-        start = 0
+        # Gathered in Python lists and written with one numpy call each: most sequences are
+        # decodes of one token, for which a numpy call per sequence costs more than the work.
+        step_tokens, step_positions, step_slots, ends, lens = [], [], [], [], []
+        end = 0
         for i, seq in enumerate(seqs):
+            computed, block_ids = seq.num_computed_tokens, seq.block_ids
             q_len = len(seq.token_ids)
-            end = start + q_len
-            pos = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + q_len)
-            block_ids = np.asarray(seq.block_ids, np.int32)
-            tokens[start:end] = seq.token_ids
-            positions[start:end] = pos
-            slots[start:end] = block_ids[pos // bs] * bs + pos % bs
+            step_tokens += seq.token_ids
+            if q_len == 1:
+                step_positions.append(computed)
+                step_slots.append(block_ids[computed // bs] * bs + computed % bs)
+            else:
+                pos = np.arange(computed, computed + q_len)
+                step_positions += pos.tolist()
+                step_slots += (np.asarray(block_ids)[pos // bs] * bs + pos % bs).tolist()
             tables[i, : len(block_ids)] = block_ids
-            seq_lens[i] = seq.num_computed_tokens + q_len
-            query_start[i + 1] = end
-            start = end
+            end += q_len
+            ends.append(end)
+            lens.append(computed + q_len)
+        tokens[:num_tokens] = step_tokens
+        positions[:num_tokens] = step_positions
+        slots[:num_tokens] = step_slots
+        seq_lens[: len(seqs)] = lens
+        query_start[0] = 0
+        query_start[1 : len(seqs) + 1] = ends
         copies = np.full(
             (power_of_two_at_least(len(block_copies)) if block_copies else 0, 2),
             NULL_BLOCK,

@@ -1,19 +1,26 @@
-"""Host-side share of engine steps with many running requests: scheduling, block management,
-input preparation, sampling metadata, detokenization and stop checks, against the time spent
-waiting for the device.
+"""Host-side cost of engine steps with many running requests: scheduling, block management,
+input preparation, sampling metadata, detokenization, stop checks and outputs.
 
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
+    python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
 
-The waiting is the time blocked on the step's device results (the only host sync of a step),
-timed around a block_until_ready on the sampler's outputs right after dispatch; host time is
-the rest of each engine.step(). (cProfile, used before, adds about 1 µs per Python call and
-so overstates host time at 256 rows.)
+Default: the real model on this machine's device; the waiting is the time blocked on the step's
+device results (the only host sync of a step), timed around a block_until_ready on the
+sampler's outputs right after dispatch; host time is the rest of each engine.step(). (cProfile,
+used before, adds about 1 us per Python call and so overstates host time at 256 rows.)
+
+--host-only: the forward and the sampler are replaced by stubs that return at once (random
+tokens), so a step is the engine's host work alone: microseconds of CPU time per step, the
+number that bounds a GPU's steps per second. Measured for the two output kinds that matter:
+CUMULATIVE (every running request gets an output each step, as `LLMEngine.step` callers
+stream) and FINAL_ONLY (what `LLM.generate` asks for).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,44 +29,51 @@ from report import report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, make_prompts  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--running", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=30, help="decode steps measured")
-    args = parser.parse_args()
-
-    from pagedjax.llm import LLM
+def start_requests(llm, running: int, max_tokens: int, **params) -> None:
+    """Adds `running` seeded top-p requests with a stop string (a per-row host path, not greedy
+    only) and steps until every one is prefilled and has sampled a token."""
     from pagedjax.sampling_params import SamplingParams
 
-    llm = LLM(
-        None,
-        max_model_len=512,
-        max_num_batched_tokens=max(512, args.running),
-        max_num_seqs=args.running,
-        num_kv_blocks=kv_blocks(args.running, 384),
-    )
     engine = llm.llm_engine
-    engine.runner.warmup()
-    prompts = make_prompts(llm.get_tokenizer(), args.running)
-    for i, prompt in enumerate(prompts):
-        # Seeded top-p sampling with a stop string: a per-row host path, not greedy only.
-        params = SamplingParams(
+    for i, prompt in enumerate(make_prompts(llm.get_tokenizer(), running)):
+        sampling = SamplingParams(
             temperature=0.8,
             top_p=0.9,
             stop=["\n\n\n"],
             seed=i,
-            max_tokens=10_000 // args.running + args.steps + 64,
+            max_tokens=max_tokens,
             ignore_eos=True,
+            **params,
         )
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, sampling)
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
-        engine.step()  # admit and prefill everyone
-    for _ in range(3):  # compiles the sampler's variant for these rows
         engine.step()
+
+
+def make_llm(running: int, max_num_batched_tokens: int = 512):
+    from pagedjax.llm import LLM
+
+    return LLM(
+        None,
+        max_model_len=512,
+        max_num_batched_tokens=max(max_num_batched_tokens, running),
+        max_num_seqs=running,
+        num_kv_blocks=kv_blocks(running, 384),
+    )
+
+
+def on_device(args) -> None:
     import jax
 
     from pagedjax.worker import model_runner
+
+    llm = make_llm(args.running)
+    engine = llm.llm_engine
+    engine.runner.warmup()
+    start_requests(llm, args.running, 10_000 // args.running + args.steps + 64)
+    for _ in range(3):  # compiles the sampler's variant for these rows
+        engine.step()
 
     waits = []
     dispatch_sample = model_runner.sample
@@ -90,6 +104,70 @@ def main() -> None:
             "host_share": (total - waiting) / total,
         },
     )
+
+
+def host_only(args) -> None:
+    import types
+
+    import numpy as np
+
+    from pagedjax.sampling_params import RequestOutputKind
+    from pagedjax.worker import model_runner
+
+    rng = np.random.default_rng(0)
+    words = None  # ids of ordinary text: no newline, so the stop string never ends a request
+
+    def no_forward(params, token_ids, positions, kv_cache, metadata, rows, copies):
+        return None, kv_cache
+
+    def random_tokens(logits, meta, **options):
+        rows = meta.temperature.shape[0]
+        tokens = rng.choice(words, rows).astype(np.int32)
+        return types.SimpleNamespace(token_ids=tokens, finite=np.ones(rows, bool))
+
+    model_runner.sample = random_tokens
+    warm_steps = 30  # outputs of ~40 tokens on prompts of 25-200, as mid-generation
+    result = {"running_requests": args.running, "steps": args.steps}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        # A large budget prefills everyone in a few steps, so all requests start level and
+        # run to the end of the measured steps within 384 tokens.
+        llm = make_llm(args.running, max_num_batched_tokens=8192)
+        engine = llm.llm_engine
+        if words is None:
+            decode = llm.get_tokenizer().decode
+            words = np.array([i for i in range(1000, 40000) if "\n" not in decode([i])])
+        engine.runner._forward = no_forward
+        start_requests(llm, args.running, warm_steps + args.steps + 16, output_kind=kind)
+        for _ in range(warm_steps):
+            engine.step()
+        cpu_times = []
+        for _ in range(args.steps):
+            start = time.thread_time()  # CPU time: steadier than wall time on a shared VM
+            engine.step()
+            cpu_times.append(time.thread_time() - start)
+        assert len(engine.scheduler.running) == args.running, "a request ended early"
+        assert engine.scheduler.num_preemptions == 0
+        name = kind.name.lower()
+        median = statistics.median(cpu_times)
+        result[f"{name}_us_per_step_median"] = 1e6 * median
+        result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
+        result[f"{name}_us_per_row_median"] = 1e6 * median / args.running
+        del llm, engine
+    report("host_overhead_host_only", result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=None, help="decode steps measured")
+    parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
+    args = parser.parse_args()
+    if args.host_only:
+        args.steps = args.steps or 100
+        host_only(args)
+    else:
+        args.steps = args.steps or 30
+        on_device(args)
 
 
 if __name__ == "__main__":

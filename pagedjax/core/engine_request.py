@@ -63,7 +63,7 @@ class EngineRequest(Request):
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def sort_key(self) -> tuple[int, float]:

@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLMEngine": "pagedjax.engine",
     "EngineConfig": "pagedjax.config",
     "SamplingParams": "pagedjax.sampling_params",
+    "RequestOutputKind": "pagedjax.sampling_params",
     "RequestOutput": "pagedjax.outputs",
     "CompletionOutput": "pagedjax.outputs",
 }

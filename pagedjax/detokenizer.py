@@ -67,6 +67,8 @@ class IncrementalDetokenizer:
             stop = [stop]
         # An empty stop string would match everywhere; SamplingParams never sends one.
         self.stop: list[str] = [s for s in (stop or ()) if s]
+        self._stop_chars = set("".join(self.stop))
+        self._longest_stop = max(map(len, self.stop), default=0)
         self.include_stop_str_in_output = include_stop_str_in_output
 
         # Only the prompt's last few tokens matter as context: keep those, not the whole prompt.
@@ -189,7 +191,9 @@ class IncrementalDetokenizer:
 
     def _holdback_len(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        longest = min(len(text), max(len(s) for s in self.stop) - 1)
+        if not text or text[-1] not in self._stop_chars:
+            return 0  # such a suffix ends with one of the stop strings' characters
+        longest = min(len(text), self._longest_stop - 1)
         for k in range(longest, 0, -1):
             suffix = text[-k:]
             if any(s.startswith(suffix) for s in self.stop):

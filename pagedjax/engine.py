@@ -457,9 +457,9 @@ class LLMEngine:
         only_new = group.params.output_kind is RequestOutputKind.DELTA
         for seq, detokenizer in zip(group.seqs, group.detokenizers, strict=True):
             delta = detokenizer.get_delta()
-            # DELTA: what is new since this sequence's previous output; else everything so far.
-            first = seq.num_returned_tokens if only_new else 0
-            seq.num_returned_tokens = seq.num_output_tokens
+            first = 0  # DELTA: what is new since this sequence's previous output
+            if only_new:
+                first, seq.num_returned_tokens = seq.num_returned_tokens, seq.num_output_tokens
             completions.append(
                 CompletionOutput(
                     index=seq.sample_index,

@@ -242,14 +242,10 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             computed, block_ids = seq.num_computed_tokens, seq.block_ids
             q_len = len(seq.token_ids)
+            new_positions = range(computed, computed + q_len)
             step_tokens += seq.token_ids
-            if q_len == 1:
-                step_positions.append(computed)
-                step_slots.append(block_ids[computed // bs] * bs + computed % bs)
-            else:
-                pos = np.arange(computed, computed + q_len)
-                step_positions += pos.tolist()
-                step_slots += (np.asarray(block_ids)[pos // bs] * bs + pos % bs).tolist()
+            step_positions += new_positions
+            step_slots += [block_ids[p // bs] * bs + p % bs for p in new_positions]
             tables[i, : len(block_ids)] = block_ids
             end += q_len
             ends.append(end)

@@ -46,7 +46,9 @@ MAX_SPLITS = 64
 class DecodeConfig:
     """Static tiling of the split-K decode kernel (hashable: a jit static argument)."""
 
-    kv_tile_tokens: int = 64  # KT, rounded up to whole pages, power of two, >= 16
+    # KT, rounded up to whole pages, power of two, >= 16. None: 64, or 32 for float32 pools,
+    # whose FMA dots hold their operands in registers (64 spills at head_dim 128 on sm_90).
+    kv_tile_tokens: int | None = None
     num_splits: int | None = None  # None: choose_num_splits
     num_warps: int | None = None  # None: 4, or 8 for head_dim 256
     num_stages: int = 2
@@ -99,6 +101,7 @@ def _decode_kernel(
     num_splits: int,
     soft_cap: float | None,
     use_window: bool,
+    software_fp8: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -124,8 +127,8 @@ def _decode_kernel(
         key_pos = tile * kv_tile + tile_iota  # [KT]
         pages = block_tables_ref[seq, lax.div(key_pos, block_size)]
         offsets = lax.rem(key_pos, block_size)
-        k = load_kv_tile(k_ref, layer, pages, offsets, q.dtype)
-        v = load_kv_tile(v_ref, layer, pages, offsets, q.dtype)
+        k = load_kv_tile(k_ref, layer, pages, offsets, q.dtype, software_fp8)
+        v = load_kv_tile(v_ref, layer, pages, offsets, q.dtype, software_fp8)
         key_visible = key_pos < seq_len
         if use_window:
             key_visible &= (window <= 0) | (key_pos > query_pos - window)
@@ -157,7 +160,8 @@ def merge_splits(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "soft_cap", "use_window", "interpret", "config")
+    jax.jit,
+    static_argnames=("scale", "soft_cap", "use_window", "interpret", "software_fp8", "config"),
 )
 def decode_attention_kernel(
     q: jax.Array,  # [S, Hq, D], one query per sequence
@@ -174,17 +178,20 @@ def decode_attention_kernel(
     soft_cap: float | None,
     use_window: bool,
     interpret: bool,
+    software_fp8: bool = False,  # fp8 pools: upcast with integer ops (GPUs before sm_89)
     config: DecodeConfig = DecodeConfig(),
 ) -> jax.Array:  # [S, Hq, D] in q's dtype; 0 for seq_len 0
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_blocks, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     rows = max(next_power_of_2(group), 16)
-    kv_tile = kv_tile_tokens(config.kv_tile_tokens, block_size)
+    matmul = matmul_dtype(k_pool.dtype)
+    kv_tile = kv_tile_tokens(
+        config.kv_tile_tokens or (32 if matmul == jnp.float32 else 64), block_size
+    )
     num_splits = config.num_splits or choose_num_splits(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size
     )
-    matmul = matmul_dtype(k_pool.dtype)
 
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(matmul)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
@@ -197,6 +204,7 @@ def decode_attention_kernel(
         num_splits=num_splits,
         soft_cap=soft_cap,
         use_window=use_window,
+        software_fp8=software_fp8,
     )
     whole = pl.no_block_spec
     head_pool = pl.BlockSpec(

@@ -53,6 +53,17 @@ def resolve_interpret(interpret: bool | None = None) -> bool:
     return jax.default_backend() != "gpu"
 
 
+def gpu_lacks_fp8_conversions(device: jax.Device | None = None) -> bool:
+    """True on a CUDA GPU of compute capability below 8.9 (Ampere and older): it has no fp8
+    conversion instructions, so the kernels upcast fp8 pools with integer ops."""
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return False
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return (major, minor) < (8, 9)
+
+
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     cache: KVCache,  # k, v: [L, Hkv, num_blocks, block_size, D]
@@ -66,6 +77,7 @@ def paged_attention(
     decode_only: bool | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    software_fp8: bool | None = None,
     ragged_config: RaggedConfig = DEFAULT_RAGGED_CONFIG,
     decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype; padding tokens get 0
@@ -75,13 +87,16 @@ def paged_attention(
     with it, no layer slice is copied. `sliding_window`: None, or an int / traced int32 with 0
     meaning unlimited. `scale` and `soft_cap` are static Python floats. `k_scale`/`v_scale`
     dequantise an fp8 pool: None (the pool's own scales, or 1), a scalar (per tensor), [Hkv]
-    (per head) or [L, Hkv].
+    (per head) or [L, Hkv]. `software_fp8`: upcast an fp8 pool with integer ops; None: on
+    GPUs without fp8 conversions (`gpu_lacks_fp8_conversions`).
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
     interpret = resolve_interpret(interpret)
+    if software_fp8 is None:
+        software_fp8 = not interpret and gpu_lacks_fp8_conversions()
     if k_scale is None and v_scale is None:  # an fp8 pool carries its own scales
         k_scale, v_scale = cache.k_scale, cache.v_scale
     use_window = sliding_window is not None
@@ -92,6 +107,7 @@ def paged_attention(
         soft_cap=None if soft_cap is None else float(soft_cap),
         use_window=use_window,
         interpret=interpret,
+        software_fp8=software_fp8,
     )
 
     def ragged(q):

@@ -47,12 +47,38 @@ FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 @dataclasses.dataclass(frozen=True)
 class RaggedConfig:
-    """Static tiling of the ragged kernel (hashable: it is a jit static argument)."""
+    """Static tiling of the ragged kernel (hashable: it is a jit static argument). A field left
+    None takes its value from `default_tiling` for the pool's dtype and head_dim."""
 
-    rows_per_program: int = 64  # M = BQ * Gp query rows per program (power of two, >= 16)
-    kv_tile_tokens: int = 64  # KT, rounded up to a whole number of pages (power of two, >= 16)
-    num_warps: int | None = None  # None: 4, or 8 for head_dim 256
+    rows_per_program: int | None = None  # M = BQ * Gp query rows per program (power of two)
+    kv_tile_tokens: int | None = None  # KT, rounded up to whole pages (power of two, >= 16)
+    num_warps: int | None = None
     num_stages: int = 2
+
+
+# (rows_per_program, kv_tile_tokens, num_warps) by head_dim: the largest tiles that compile
+# without spilling registers for sm_80 and sm_90 with Triton 3.6 to 3.9 (checked by
+# tests/test_triton_compile.py).
+# Tensor-core dots (16-bit and fp8 pools) keep their operands in shared memory; float32 pools
+# run IEEE float32 dots as FMAs on operands held in registers, where 64 x 64 tiles spill
+# (0.5 KB per thread at head_dim 64, 7-10 KB at 128 and 256); the integer fp8 upcast of GPUs
+# before sm_89 needs registers of its own (64-token tiles spill 0.1 KB at head_dim 64).
+TENSOR_CORE_TILING = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 8)}
+FLOAT32_TILING = {64: (64, 32, 8), 128: (32, 16, 4), 256: (32, 16, 8)}
+SOFTWARE_FP8_TILING = {64: (64, 32, 4), 128: (64, 32, 8), 256: (64, 32, 8)}
+
+
+def default_tiling(
+    kv_dtype: jnp.dtype, head_dim: int, software_fp8: bool = False
+) -> tuple[int, int, int]:
+    """(rows_per_program, kv_tile_tokens, num_warps) for a pool of `kv_dtype`."""
+    if matmul_dtype(kv_dtype) == jnp.float32:
+        table = FLOAT32_TILING
+    elif software_fp8 and jnp.dtype(kv_dtype).itemsize == 1:
+        table = SOFTWARE_FP8_TILING
+    else:
+        table = TENSOR_CORE_TILING
+    return table[min(max(head_dim, 64), 256)]
 
 
 def next_power_of_2(n: int) -> int:
@@ -110,13 +136,39 @@ def load_kv_tile(
     pages: jax.Array,  # [KT] int32, physical page of each position in the tile
     offsets: jax.Array,  # [KT] int32, offset of each position inside its page
     out_dtype: jnp.dtype,
+    software_fp8: bool = False,
 ) -> jax.Array:  # [KT, D]
     """Gathers one KV tile through the block table; all-array indices keep it one gather in
     both the Triton lowering and interpret mode (which cannot mix gathers with slices)."""
     head_dim = pool_ref.shape[-1]
     d = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
     tile = pool_ref[layer, pages[:, None], offsets[:, None], d]
+    if software_fp8 and tile.dtype in FP8_DTYPES:
+        tile = fp8_to_float32(tile)
     return tile.astype(out_dtype)
+
+
+def fp8_to_float32(x: jax.Array) -> jax.Array:
+    """Exact fp8 (e4m3fn or e5m2) -> float32 with integer ops only: for GPUs without fp8
+    conversion instructions (compute capability < 8.9), where Triton cannot compile the cast."""
+    info = jnp.finfo(x.dtype)
+    mantissa_bits, exponent_bits = info.nmant, info.nexp
+    bias = (1 << (exponent_bits - 1)) - 1
+    bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    sign = (bits >> 7) << 31
+    exponent = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = bits & ((1 << mantissa_bits) - 1)
+    normal = ((exponent + (127 - bias)) << 23) | (mantissa << (23 - mantissa_bits))
+    # Subnormals (and zero) are mantissa * 2^(1 - bias - mantissa_bits), exact in float32.
+    tiny = mantissa.astype(jnp.float32) * (2.0 ** (1 - bias - mantissa_bits))
+    magnitude = jnp.where(exponent == 0, lax.bitcast_convert_type(tiny, jnp.uint32), normal)
+    if x.dtype == jnp.float8_e4m3fn:  # no infinities; S.1111.111 is NaN
+        special = (bits & 0x7F) == 0x7F
+        magnitude = jnp.where(special, jnp.uint32(0x7FC00000), magnitude)
+    else:  # IEEE-like: the top exponent is inf (mantissa 0) or NaN
+        top = exponent == (1 << exponent_bits) - 1
+        magnitude = jnp.where(top, jnp.uint32(0x7F800000) | (mantissa << 21), magnitude)
+    return lax.bitcast_convert_type(sign | magnitude, jnp.float32)
 
 
 def online_softmax_step(
@@ -162,6 +214,7 @@ def _ragged_kernel(
     kv_tile: int,
     soft_cap: float | None,
     use_window: bool,
+    software_fp8: bool,
 ):
     work, head = pl.program_id(0), pl.program_id(1)
     seq = work_seq_ref[work]
@@ -200,8 +253,8 @@ def _ragged_kernel(
             key_pos = tile * kv_tile + tile_iota  # [KT]
             pages = block_tables_ref[seq, lax.div(key_pos, block_size)]
             offsets = lax.rem(key_pos, block_size)
-            k = load_kv_tile(k_ref, layer, pages, offsets, matmul)
-            v = load_kv_tile(v_ref, layer, pages, offsets, matmul)
+            k = load_kv_tile(k_ref, layer, pages, offsets, matmul, software_fp8)
+            v = load_kv_tile(v_ref, layer, pages, offsets, matmul, software_fp8)
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < seq_len)
             if use_window:
                 visible &= (window <= 0) | (key_pos[None, :] > row_pos[:, None] - window)
@@ -273,7 +326,8 @@ def group_rows(q: jax.Array, num_kv_heads: int, group_padded: int, dtype) -> jax
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "soft_cap", "use_window", "interpret", "config")
+    jax.jit,
+    static_argnames=("scale", "soft_cap", "use_window", "interpret", "software_fp8", "config"),
 )
 def ragged_paged_attention_kernel(
     q: jax.Array,  # [T, Hq, D]
@@ -291,15 +345,19 @@ def ragged_paged_attention_kernel(
     soft_cap: float | None,
     use_window: bool,
     interpret: bool,
+    software_fp8: bool = False,  # fp8 pools: upcast with integer ops (GPUs before sm_89)
     config: RaggedConfig = RaggedConfig(),
 ) -> jax.Array:  # [T, Hq, D] in q's dtype; rows of padding tokens are 0
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_blocks, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     group_padded = next_power_of_2(group)
-    rows = max(next_power_of_2(config.rows_per_program), group_padded, 16)
+    default_rows, default_kv_tile, default_warps = default_tiling(
+        k_pool.dtype, head_dim, software_fp8
+    )
+    rows = max(next_power_of_2(config.rows_per_program or default_rows), group_padded, 16)
     tokens_per_block = rows // group_padded
-    kv_tile = kv_tile_tokens(config.kv_tile_tokens, block_size)
+    kv_tile = kv_tile_tokens(config.kv_tile_tokens or default_kv_tile, block_size)
     matmul = matmul_dtype(k_pool.dtype)
 
     work_seq, work_qblock = work_items(query_start_loc, num_tokens, tokens_per_block)
@@ -318,13 +376,14 @@ def ragged_paged_attention_kernel(
         kv_tile=kv_tile,
         soft_cap=soft_cap,
         use_window=use_window,
+        software_fp8=software_fp8,
     )
     whole = pl.no_block_spec
     head_rows = pl.BlockSpec((None, total_rows, head_dim), lambda w, h: (h, 0, 0))
     head_pool = pl.BlockSpec(
         (num_layers, None, num_blocks, block_size, head_dim), lambda w, h: (0, h, 0, 0, 0)
     )
-    num_warps = config.num_warps or (8 if head_dim >= 256 else 4)
+    num_warps = config.num_warps or default_warps
     out_rows = pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads),
@@ -360,6 +419,8 @@ def ragged_paged_attention_kernel(
 __all__ = [
     "MASK_VALUE",
     "RaggedConfig",
+    "default_tiling",
+    "fp8_to_float32",
     "group_rows",
     "kv_tile_tokens",
     "layer_scales",

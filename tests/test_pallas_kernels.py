@@ -27,7 +27,6 @@ from jax.experimental import checkify
 from kernels_pallas.decode_attention import (
     DecodeConfig,
     choose_num_splits,
-    decode_attention_kernel,
 )
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
@@ -37,7 +36,13 @@ from kernels_pallas.paged_attention import (
     paged_attention,
     resolve_interpret,
 )
-from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
+from kernels_pallas.ragged_paged_attention import RaggedConfig, fp8_to_float32
+from kernels_pallas.triton_compile import (
+    lower_for_cuda,
+    triton_call_targets,
+    triton_ir_text,
+    triton_kernels,
+)
 from models.config import ModelConfig
 from models.llama import forward_logits_jit
 
@@ -104,21 +109,42 @@ def test_ragged_kernel_random_mixes_in_one_bucket():
         assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
 
 
-def test_ragged_kernel_fp8_pool_with_per_head_scales():
+DECODE_SEQS = [(1, 200), (1, 1), (1, 37), (1, 129), (1, 64)]
+
+
+@pytest.mark.parametrize("decode_only,software_fp8", [(False, False), (False, True), (True, True)])
+def test_fp8_pool_with_per_head_scales(decode_only, software_fp8):
+    """Both kernels on an fp8 pool; software_fp8 is the integer upcast GPUs before sm_89 run."""
+    seqs = DECODE_SEQS if decode_only else MIXED
     q, cache, metadata = make_case(
-        2, MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=5
+        2, seqs, block_size=16, num_kv_heads=2, group=2, head_dim=64, max_blocks_per_seq=13
     )
     k_scale, v_scale = jnp.array([0.5, 2.0]), jnp.array([1.5, 0.25])
     fp8 = quantize_fp8(cache, k_scale, v_scale)
     q = q.astype(jnp.bfloat16)
     out = paged_attention(
-        q, fp8, 1, metadata, scale=0.125, k_scale=k_scale, v_scale=v_scale, interpret=INTERPRET
+        q,
+        fp8,
+        1,
+        metadata,
+        scale=0.125,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        interpret=INTERPRET,
+        decode_only=decode_only,
+        software_fp8=software_fp8,
     )
     want = expected(q, fp8, 1, metadata, scale=0.125, k_scale=k_scale, v_scale=v_scale)
     assert_matches(out, want, metadata, jnp.float8_e4m3fn)
 
 
-DECODE_SEQS = [(1, 200), (1, 1), (1, 37), (1, 129), (1, 64)]
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_software_fp8_upcast_is_exact_for_every_value(dtype):
+    values = jnp.arange(256, dtype=jnp.uint8).view(dtype)
+    got = np.asarray(fp8_to_float32(values))
+    want = np.asarray(values.astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)  # NaNs compare equal here
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # and -0.0 stays -0.0
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -248,49 +274,6 @@ def test_bad_block_table_is_caught():
 # --- CUDA lowering on a CPU-only host ------------------------------------------------------
 
 
-def triton_kernels(lowered) -> tuple[list[bytes], list[str]]:
-    """(Triton IR bytecode of each Pallas kernel, custom-call targets that hold a kernel).
-
-    jaxlib <= 0.10.2 embeds the Triton IR for XLA to compile (`__gpu$xla.gpu.triton`); newer
-    jaxlibs on a GPU host compile to PTX at lowering and embed that instead."""
-    from jax._src.lib.mlir import ir
-
-    modules, targets = [], []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        attrs = inner.operation.attributes
-                        target = ir.StringAttr(attrs["call_target_name"]).value
-                        if "triton" in target:
-                            targets.append(target)
-                        if target == "__gpu$xla.gpu.triton":
-                            config = ir.DictAttr(attrs["mhlo.backend_config"])
-                            modules.append(ir.StringAttr(config["ir"]).value_bytes)
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    return modules, targets
-
-
-def verify_triton_module(bytecode: bytes) -> str:
-    """Parses and verifies a kernel's Triton IR with the dialect bundled in jaxlib."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.triton import dialect as tt_dialect
-
-    context = mlir.JaxIrContext()
-    context.append_dialect_registry(mlir.upstream_dialects)
-    tt_dialect.register_dialect(context)
-    context.load_all_available_dialects()
-    with context:
-        module = ir.Module.parse(bytecode)
-        assert module.operation.verify()
-        return str(module)
-
-
 LOWERING_CASES = [
     # id, kernel, block_size, kv heads, group, head_dim, kv dtype, window, soft cap
     ("ragged-bf16-d128-gqa4-window", "ragged", 16, 8, 4, 128, jnp.bfloat16, True, None),
@@ -314,46 +297,20 @@ def test_kernel_lowers_for_cuda(
     """Traces for a CUDA target without a GPU: runs the Pallas -> Triton IR lowering (every
     primitive must have a Triton rule, every shape must be a power of two) and verifies the
     Triton module. PTX compilation happens in XLA's GPU backend and needs a CUDA jaxlib."""
-    num_tokens, num_seqs, num_layers, num_blocks, width = 64, 8, 3, 64, 16
-    pool = jax.ShapeDtypeStruct(
-        (num_layers, num_kv_heads, num_blocks, block_size, head_dim), kv_dtype
+    lowered = lower_for_cuda(
+        kernel,
+        kv_dtype=kv_dtype,
+        head_dim=head_dim,
+        group=group,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        use_window=use_window,
+        soft_cap=soft_cap,
     )
-    q_dtype = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    scales = None if kv_dtype != jnp.float8_e4m3fn else jax.ShapeDtypeStruct((), jnp.float32)
-    static = dict(scale=0.1, soft_cap=soft_cap, use_window=use_window, interpret=False)
-    if kernel == "ragged":
-        fn = functools.partial(ragged_paged_attention_kernel, **static)
-        args = (
-            jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), q_dtype),
-            pool,
-            pool,
-            i32(()),
-            i32((num_seqs + 1,)),
-            i32((num_seqs,)),
-            i32((num_seqs, width)),
-            i32(()),
-            scales,
-            scales,
-        )
-    else:
-        fn = functools.partial(decode_attention_kernel, config=DecodeConfig(num_splits=4), **static)
-        args = (
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads * group, head_dim), q_dtype),
-            pool,
-            pool,
-            i32(()),
-            i32((num_seqs,)),
-            i32((num_seqs, width)),
-            i32(()),
-            scales,
-            scales,
-        )
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    modules, targets = triton_kernels(lowered)
+    targets = triton_call_targets(lowered)
     assert len(targets) == 1, targets  # one Triton kernel, no Mosaic GPU, no fallback
-    if modules:  # Triton IR embedded: verify it, and the two dots are tensor-core tt.dot
-        assert verify_triton_module(modules[0]).count("tt.dot") == 2
+    for kernel_ir in triton_kernels(lowered):  # Triton IR embedded: the two dots are tt.dot
+        assert triton_ir_text(kernel_ir).count("tt.dot") == 2
 
 
 # The default model's shapes (SmolLM2-135M: head_dim 64, 9 query heads on 3 KV heads), the
@@ -413,7 +370,8 @@ def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, k
     traced = forward_logits_jit.trace(
         params, c, tokens, tokens, KVCache(pool, pool), metadata, i32((num_seqs,)), attention
     )
-    modules, targets = triton_kernels(traced.lower(lowering_platforms=("cuda",)))
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    targets = triton_call_targets(lowered)
     assert len(targets) == kernels, targets
-    for module in modules:
-        verify_triton_module(module)
+    for kernel_ir in triton_kernels(lowered):
+        triton_ir_text(kernel_ir)  # parses and verifies

@@ -1,0 +1,232 @@
+"""What a GPU would make of the Pallas kernels, found on any host.
+
+jaxlib lowers a Pallas-Triton kernel to Triton IR (TTIR) without a GPU and embeds it in the
+StableHLO for XLA's GPU backend, which runs Triton's pipeline on it (TTIR -> TTGIR -> LLVM ->
+PTX -> cubin). The `triton` package runs that pipeline for a named SM target without a GPU
+(`ptxas` ships in its wheel), so a CPU-only host can see what the GPU gets: registers per
+thread, spills, shared memory, the tensor-core instructions chosen (`wgmma` on Hopper,
+`mma.sync` before it) and whether the KV loads are software-pipelined (`cp.async`).
+XLA compiles with its own Triton build, so the numbers are a close estimate, not the GPU's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+
+# Dynamic shared memory one block may use, in bytes (CUDA's per-block opt-in maximum), and
+# what one SM has (CUDA reserves 1 KiB of it per resident block).
+MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+SM_SHARED_BYTES = {80: 167936, 86: 102400, 89: 102400, 90: 233472}
+SM_REGISTERS, SM_WARPS, SM_BLOCKS = 65536, 64, 32  # sm_86/89 have 48 warps; close enough
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    """One Pallas kernel as jaxlib embeds it for XLA: Triton IR plus launch options."""
+
+    name: str
+    ir: bytes  # TTIR as MLIR bytecode
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    """Resource use of one kernel compiled for `sm_{capability}`."""
+
+    name: str
+    capability: int
+    num_warps: int
+    num_stages: int
+    registers: int  # per thread
+    stack_bytes: int  # per thread; > 0 means spilled registers (the kernels make no calls)
+    shared_bytes: int  # per block
+    wgmma: int  # Hopper warpgroup MMA instructions in the PTX
+    mma_sync: int  # Ampere-style warp MMA instructions
+    cp_async: int  # asynchronous global -> shared copies: pipelined loads
+
+    @property
+    def tensor_core_ops(self) -> int:
+        return self.wgmma + self.mma_sync
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Programs resident on one SM at once, as CUDA's occupancy calculator counts them
+        (registers allocated per warp in units of 256)."""
+        registers_per_warp = -(-self.registers * 32 // 256) * 256
+        by_registers = SM_REGISTERS // (registers_per_warp * self.num_warps)
+        by_shared = SM_SHARED_BYTES[self.capability] // (self.shared_bytes + 1024)
+        return min(by_registers, by_shared, SM_WARPS // self.num_warps, SM_BLOCKS)
+
+
+def triton_call_targets(lowered) -> list[str]:
+    """Custom-call targets of `lowered` that hold a Triton kernel (IR, or PTX on newer jaxlibs
+    with a GPU, which compile at lowering)."""
+    return [target for target, _ in _custom_calls(lowered) if "triton" in target]
+
+
+def triton_kernels(lowered) -> list[TritonKernel]:
+    """The Triton IR kernels that `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
+    embedded (jaxlib <= 0.10.2 leaves their compilation to XLA; newer jaxlibs embed none)."""
+    kernels = []
+    for target, attrs in _custom_calls(lowered):
+        if target != TRITON_CALL_TARGET:
+            continue
+        config = ir.DictAttr(attrs["mhlo.backend_config"])
+        kernels.append(
+            TritonKernel(
+                name=ir.StringAttr(config["name"]).value,
+                ir=ir.StringAttr(config["ir"]).value_bytes,
+                num_warps=ir.IntegerAttr(config["num_warps"]).value,
+                num_stages=ir.IntegerAttr(config["num_stages"]).value,
+            )
+        )
+    return kernels
+
+
+def _custom_calls(lowered):
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        attrs = inner.operation.attributes
+                        found.append((ir.StringAttr(attrs["call_target_name"]).value, attrs))
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return found
+
+
+def triton_ir_text(kernel: TritonKernel) -> str:
+    """Parses and verifies the kernel's Triton IR with jaxlib's dialect; returns it as text."""
+    context = mlir.JaxIrContext()
+    context.append_dialect_registry(mlir.upstream_dialects)
+    tt_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
+        module = ir.Module.parse(kernel.ir)
+        if not module.operation.verify():
+            raise ValueError(f"Triton IR of {kernel.name} does not verify")
+        return str(module)
+
+
+def compile_for_sm(kernel: TritonKernel, capability: int = 90) -> CompiledKernel:
+    """Compiles `kernel` to a cubin for `sm_{capability}` with the `triton` package and reads
+    its resource use. Needs `pip install triton` (Linux x86-64), not a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    text = triton_ir_text(kernel)
+    if capability < 89 and "tt.fp_to_fp" in text:  # LLVM would abort the process
+        raise ValueError(
+            f"{kernel.name} converts fp8 in hardware, which sm_{capability} cannot: lower it "
+            "with software_fp8=True"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        ttir = os.path.join(tmp, f"{kernel.name}.ttir")
+        with open(ttir, "w") as f:
+            f.write(text)
+        compiled = triton.compile(
+            ttir,
+            target=GPUTarget("cuda", capability, 32),
+            options={
+                "num_warps": kernel.num_warps,
+                "num_stages": kernel.num_stages,
+                "enable_fp_fusion": True,  # the default before Triton 3.10
+            },
+        )
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if match is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {usage}")
+    ptx = compiled.asm["ptx"]
+    return CompiledKernel(
+        name=kernel.name,
+        capability=capability,
+        num_warps=kernel.num_warps,
+        num_stages=kernel.num_stages,
+        registers=int(match[1]),
+        stack_bytes=int(match[2]),
+        shared_bytes=compiled.metadata.shared,
+        wgmma=len(re.findall(r"\bwgmma\.mma_async\b", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync\b", ptx)),
+        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)),
+    )
+
+
+def lower_for_cuda(
+    kernel: str,  # "ragged" or "decode"
+    *,
+    kv_dtype,
+    head_dim: int,
+    group: int,
+    block_size: int = 16,
+    num_kv_heads: int = 2,
+    use_window: bool = False,
+    soft_cap: float | None = None,
+    config=None,  # RaggedConfig / DecodeConfig; None: the kernel's default
+    num_tokens: int = 64,
+    num_seqs: int = 8,
+    capability: int = 90,
+):
+    """Lowers one of the two kernels for a CUDA target from shapes alone (no arrays, no GPU),
+    as `paged_attention` would on a GPU of `capability` (below 89: fp8 upcast in software).
+    q is float32 for a float32 pool, else bfloat16; 3 layers, 64 pages of 16 table entries."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.decode_attention import DecodeConfig, decode_attention_kernel
+    from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
+
+    num_layers, num_blocks, width = 3, 64, 16
+    kv_dtype = jnp.dtype(kv_dtype)
+    pool = jax.ShapeDtypeStruct(
+        (num_layers, num_kv_heads, num_blocks, block_size, head_dim), kv_dtype
+    )
+    q_dtype = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    scales = None if kv_dtype.itemsize != 1 else jax.ShapeDtypeStruct((), jnp.float32)
+    static = dict(
+        scale=0.1,
+        soft_cap=soft_cap,
+        use_window=use_window,
+        interpret=False,
+        software_fp8=capability < 89,
+    )
+    if kernel == "ragged":
+        fn = functools.partial(
+            ragged_paged_attention_kernel, config=config or RaggedConfig(), **static
+        )
+        q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), q_dtype)
+        args = (q, pool, pool, i32(()), i32((num_seqs + 1,)), i32((num_seqs,)))
+    elif kernel == "decode":
+        fn = functools.partial(
+            decode_attention_kernel, config=config or DecodeConfig(num_splits=4), **static
+        )
+        q = jax.ShapeDtypeStruct((num_seqs, num_kv_heads * group, head_dim), q_dtype)
+        args = (q, pool, pool, i32(()), i32((num_seqs,)))
+    else:
+        raise ValueError(f"kernel must be 'ragged' or 'decode', not {kernel!r}")
+    args += (i32((num_seqs, width)), i32(()), scales, scales)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -1,0 +1,42 @@
+"""The Pallas kernels compiled to cubins for Hopper (sm_90) and Ampere (sm_80) on this CPU-only
+host, by the `triton` package's own pipeline (kernels_pallas/triton_compile.py): what XLA's GPU
+backend does with them on a GPU. Each kernel, with its default tiling, for each pool dtype and
+head_dim must compile, spill no registers, fit its shared memory, keep float32 off the tensor
+cores (IEEE float32, not TF32) and 16-bit/fp8 on them, and pipeline its KV loads."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.triton_compile import (
+    MAX_SHARED_BYTES,
+    compile_for_sm,
+    lower_for_cuda,
+    triton_kernels,
+)
+
+pytest.importorskip("triton", reason="Triton has wheels for Linux x86-64 only")
+
+KV_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("capability", [90, 80], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES), ids=list(KV_DTYPES))
+@pytest.mark.parametrize("kernel", ["ragged", "decode"])
+def test_kernel_compiles_without_spilling(kernel, kv_dtype, head_dim, capability):
+    lowered = lower_for_cuda(
+        kernel, kv_dtype=KV_DTYPES[kv_dtype], head_dim=head_dim, group=4, capability=capability
+    )
+    [triton_kernel] = triton_kernels(lowered)
+    compiled = compile_for_sm(triton_kernel, capability)
+    assert compiled.stack_bytes == 0, f"{compiled}: registers spill to local memory"
+    assert compiled.shared_bytes <= MAX_SHARED_BYTES[capability], compiled
+    assert compiled.cp_async > 0, f"{compiled}: KV loads are not pipelined"
+    if kv_dtype == "f32":
+        assert compiled.tensor_core_ops == 0, f"{compiled}: float32 dots run as TF32"
+    else:
+        assert compiled.tensor_core_ops > 0, compiled
+    if kernel == "ragged" and kv_dtype != "f32" and capability == 90:
+        assert compiled.wgmma > 0, f"{compiled}: no Hopper warpgroup MMA"

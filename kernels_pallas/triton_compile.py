@@ -19,7 +19,6 @@ import tempfile
 
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
-from jax._src.lib.triton import dialect as tt_dialect
 
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 
@@ -112,6 +111,8 @@ def _custom_calls(lowered):
 
 def triton_ir_text(kernel: TritonKernel) -> str:
     """Parses and verifies the kernel's Triton IR with jaxlib's dialect; returns it as text."""
+    from jax._src.lib.triton import dialect as tt_dialect  # only jaxlibs that embed the IR
+
     context = mlir.JaxIrContext()
     context.append_dialect_registry(mlir.upstream_dialects)
     tt_dialect.register_dialect(context)

@@ -1,12 +1,13 @@
 """What a GPU would make of the Pallas kernels, found on any host.
 
-jaxlib lowers a Pallas-Triton kernel to Triton IR (TTIR) without a GPU and embeds it in the
-StableHLO for XLA's GPU backend, which runs Triton's pipeline on it (TTIR -> TTGIR -> LLVM ->
-PTX -> cubin). The `triton` package runs that pipeline for a named SM target without a GPU
-(`ptxas` ships in its wheel), so a CPU-only host can see what the GPU gets: registers per
-thread, spills, shared memory, the tensor-core instructions chosen (`wgmma` on Hopper,
-`mma.sync` before it) and whether the KV loads are software-pipelined (`cp.async`).
-XLA compiles with its own Triton build, so the numbers are a close estimate, not the GPU's own.
+jaxlib lowers a Pallas-Triton kernel to Triton IR (TTIR) without a GPU; with the CUDA plugin
+it then compiles the IR at lowering with its own copy of the pipeline of Triton's Python
+compiler (TTIR -> TTGIR -> LLVM -> PTX; `ptxas` makes the cubin). The `triton` package runs
+that pipeline for a named SM target without a GPU (`ptxas` ships in its wheel), so a CPU-only
+host can see what the GPU gets: registers per thread, spills, shared memory, the tensor-core
+instructions chosen (`wgmma` on Hopper, `mma.sync` before it) and whether the KV loads are
+software-pipelined (`cp.async`). jaxlib builds its own Triton, so the numbers are a close
+estimate, not the GPU's own.
 """
 
 from __future__ import annotations

@@ -27,10 +27,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas.decode_attention import choose_num_splits, device_sm_count  # noqa: E402
+from kernels_pallas.decode_attention import (  # noqa: E402
+    DecodeConfig,
+    choose_num_splits,
+    device_sm_count,
+)
 from kernels_pallas.kv_cache import KVCache  # noqa: E402
 from kernels_pallas.metadata import build_metadata  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention  # noqa: E402
+from kernels_pallas.ragged_paged_attention import RaggedConfig  # noqa: E402
 from kernels_pallas.reference import ragged_paged_attention  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 32, 8, 128, 16, 2
@@ -38,6 +43,16 @@ LAYER = 1  # not layer 0: the kernels must index the stacked pool
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 2048), (256, 1024)]
 # Mixed step: (q_len, context) per sequence: prefill chunks and decode tokens.
 MIXED_STEP = [(512, 2048), (512, 1024), (256, 256)] + [(1, 2048)] * 61
+# Tilings besides the defaults, timed on the bf16 cases to choose the next defaults from:
+# num_stages 3 streams tile t + 1 while tile t is consumed (docs/kernels.md), at the cost of
+# a second K and V buffer of shared memory.
+TUNING_VARIANTS = {
+    "decode": {
+        "pallas_split_k_stages3": DecodeConfig(num_stages=3),
+        "pallas_split_k_kt32_stages3": DecodeConfig(kv_tile_tokens=32, num_stages=3),
+    },
+    "ragged": {"pallas_ragged_stages3": RaggedConfig(num_stages=3)},
+}
 # Skip the XLA reference when its per-token page gather would exceed this (it materialises
 # [T, pages, Hkv, block, D] in float32 for K and for V).
 REFERENCE_GATHER_LIMIT = 24 << 30
@@ -131,6 +146,15 @@ def run_case(name, seqs, kv_dtype, *, decode, iters, copy_bw, with_peers) -> dic
                 q, c, LAYER, m, scale=scale, decode_only=True, k_scale=k_scale, v_scale=k_scale
             )
         )
+    if with_peers:  # tuning candidates: num_stages 3 double-buffers the KV tiles
+        for label, config in TUNING_VARIANTS["decode" if decode else "ragged"].items():
+            configs = {"decode_config" if decode else "ragged_config": config}
+            candidates[label] = jax.jit(
+                lambda q, c, m, configs=configs: paged_attention(
+                    q, c, LAYER, m, scale=scale, decode_only=decode, k_scale=k_scale,
+                    v_scale=k_scale, **configs,
+                )
+            )  # fmt: skip
     gather_bytes = q.shape[0] * metadata.block_tables.shape[1] * BLOCK_SIZE * NUM_KV_HEADS
     gather_bytes *= HEAD_DIM * 4 * 2
     if with_peers and gather_bytes <= REFERENCE_GATHER_LIMIT:
@@ -169,8 +193,8 @@ def measure(fn, args, kv_bytes, iters, copy_bw) -> dict:
 def max_error(candidates, q, cache, metadata) -> dict:
     want = np.asarray(candidates["xla_reference"](q, cache, metadata).astype(jnp.float32))
     errors = {}
-    for label in ("pallas_ragged", "pallas_split_k"):
-        if label in candidates:
+    for label in candidates:
+        if label.startswith("pallas"):
             got = np.asarray(candidates[label](q, cache, metadata).astype(jnp.float32))
             errors[label] = float(np.abs(got - want).max())
     return errors

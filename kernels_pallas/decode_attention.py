@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.ragged_paged_attention import (
     MASK_VALUE,
+    fold_kv_tiles,
     kv_tile_tokens,
     layer_scales,
     load_kv_tile,
@@ -32,6 +33,7 @@ from kernels_pallas.ragged_paged_attention import (
     next_power_of_2,
     online_softmax_step,
     pad_block_tables,
+    tile_pages,
 )
 
 # SMs per device kind, for when the device object does not report core_count.
@@ -102,6 +104,7 @@ def _decode_kernel(
     soft_cap: float | None,
     use_window: bool,
     software_fp8: bool,
+    prefetch_pages: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -123,9 +126,12 @@ def _decode_kernel(
     scale = scales_ref[0, layer, head]
     tile_iota = lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
 
-    def body(tile, carry):
+    pages_of = functools.partial(
+        tile_pages, block_tables_ref, seq, kv_tile=kv_tile, block_size=block_size
+    )
+
+    def step(tile, pages, softmax_state):
         key_pos = tile * kv_tile + tile_iota  # [KT]
-        pages = block_tables_ref[seq, lax.div(key_pos, block_size)]
         offsets = lax.rem(key_pos, block_size)
         k = load_kv_tile(k_ref, layer, pages, offsets, q.dtype, software_fp8)
         v = load_kv_tile(v_ref, layer, pages, offsets, q.dtype, software_fp8)
@@ -133,7 +139,7 @@ def _decode_kernel(
         if use_window:
             key_visible &= (window <= 0) | (key_pos > query_pos - window)
         visible = jnp.broadcast_to(key_visible[None, :], (rows, kv_tile))
-        return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
+        return online_softmax_step(q, k, v, visible, softmax_state, scale=scale, soft_cap=soft_cap)
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
@@ -141,7 +147,7 @@ def _decode_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     # Zero-trip for padding sequences (seq_len 0) and for splits past a short sequence's tiles.
-    acc, m, denom = lax.fori_loop(start, stop, body, init)
+    acc, m, denom = fold_kv_tiles(start, stop, step, init, pages_of, prefetch_pages=prefetch_pages)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = denom
@@ -205,6 +211,7 @@ def decode_attention_kernel(
         soft_cap=soft_cap,
         use_window=use_window,
         software_fp8=software_fp8,
+        prefetch_pages=config.num_stages >= 3,
     )
     whole = pl.no_block_spec
     head_pool = pl.BlockSpec(

@@ -130,6 +130,41 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     )
 
 
+def tile_pages(
+    block_tables_ref,  # [S, B'] int32, B' a whole number of tiles
+    seq: jax.Array,  # [] int32
+    tile: jax.Array,  # [] int32, a tile of the table
+    *,
+    kv_tile: int,
+    block_size: int,
+) -> jax.Array:  # [KT] int32
+    """The physical page of each position of KV tile `tile` of sequence `seq`."""
+    key_pos = tile * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
+    return block_tables_ref[seq, lax.div(key_pos, block_size)]
+
+
+def fold_kv_tiles(start, stop, step, init, pages_of, *, prefetch_pages: bool):
+    """`lax.fori_loop` over KV tiles [start, stop): state = step(tile, pages [KT], state).
+
+    prefetch_pages: load tile t + 1's page ids while tile t is consumed and carry them, so the
+    KV loads' addresses come from the previous iteration. Only then can Triton's pipeliner
+    issue the loads num_stages - 1 tiles ahead (with the table read in the same iteration it
+    keeps one buffer and nothing is in flight during the dots). It costs a [KT] int32 vector
+    of registers, so it is on only where it pays: num_stages >= 3. `stop` must not pass the
+    table's last tile; reads ahead are clamped to [0, stop)."""
+    if not prefetch_pages:
+        return lax.fori_loop(start, stop, lambda t, state: step(t, pages_of(t), state), init)
+
+    def prefetch(tile):
+        return pages_of(jnp.maximum(jnp.minimum(tile, stop - 1), 0))
+
+    def body(tile, carry):
+        pages, state = carry
+        return prefetch(tile + 1), step(tile, pages, state)
+
+    return lax.fori_loop(start, stop, body, (prefetch(start), init))[1]
+
+
 def load_kv_tile(
     pool_ref,  # [L, N, block_size, D] (this program's KV head)
     layer: jax.Array,  # [] int32
@@ -215,6 +250,7 @@ def _ragged_kernel(
     soft_cap: float | None,
     use_window: bool,
     software_fp8: bool,
+    prefetch_pages: bool,
 ):
     work, head = pl.program_id(0), pl.program_id(1)
     seq = work_seq_ref[work]
@@ -248,24 +284,30 @@ def _ragged_kernel(
         q = q_ref[pl.ds(first_token * group_padded, rows), :]  # [M, D]
         scale = scales_ref[0, layer, head]
         tile_iota = lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
+        pages_of = functools.partial(
+            tile_pages, block_tables_ref, seq, kv_tile=kv_tile, block_size=block_size
+        )
 
-        def body(tile, carry):
+        def step(tile, pages, softmax_state):
             key_pos = tile * kv_tile + tile_iota  # [KT]
-            pages = block_tables_ref[seq, lax.div(key_pos, block_size)]
             offsets = lax.rem(key_pos, block_size)
             k = load_kv_tile(k_ref, layer, pages, offsets, matmul, software_fp8)
             v = load_kv_tile(v_ref, layer, pages, offsets, matmul, software_fp8)
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < seq_len)
             if use_window:
                 visible &= (window <= 0) | (key_pos[None, :] > row_pos[:, None] - window)
-            return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
+            return online_softmax_step(
+                q, k, v, visible, softmax_state, scale=scale, soft_cap=soft_cap
+            )
 
         init = (
             jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
         )
-        acc, _, denom = lax.fori_loop(tile_start, num_tiles, body, init)
+        acc, _, denom = fold_kv_tiles(
+            tile_start, num_tiles, step, init, pages_of, prefetch_pages=prefetch_pages
+        )
         v_scale = scales_ref[1, layer, head]
         out = acc * (v_scale / jnp.where(denom > 0, denom, 1.0))[:, None]
         row_valid = jnp.broadcast_to((row_token < block_tokens)[:, None], (rows, head_dim))
@@ -377,6 +419,7 @@ def ragged_paged_attention_kernel(
         soft_cap=soft_cap,
         use_window=use_window,
         software_fp8=software_fp8,
+        prefetch_pages=config.num_stages >= 3,
     )
     whole = pl.no_block_spec
     head_rows = pl.BlockSpec((None, total_rows, head_dim), lambda w, h: (h, 0, 0))
@@ -419,6 +462,8 @@ def ragged_paged_attention_kernel(
 __all__ = [
     "MASK_VALUE",
     "RaggedConfig",
+    "fold_kv_tiles",
+    "tile_pages",
     "default_tiling",
     "fp8_to_float32",
     "group_rows",

@@ -61,8 +61,9 @@ def test_ragged_kernel_matches_reference(
         block_size, num_kv_heads, group, head_dim, kv_dtype, window, soft_cap, layer
     )
     # With a window, small tiles and query blocks make the kernel skip tiles left of the
-    # window and split chunks over several query blocks.
-    config = RaggedConfig(16, 16) if window else RaggedConfig()
+    # window and split chunks over several query blocks; num_stages 3 loads each tile's page
+    # ids one iteration ahead (fold_kv_tiles).
+    config = RaggedConfig(16, 16, num_stages=3) if window else RaggedConfig()
     out = paged_attention(
         q,
         cache,
@@ -168,7 +169,10 @@ def test_decode_split_k_matches_reference(num_splits):
         metadata,
         interpret=INTERPRET,
         decode_only=True,
-        decode_config=DecodeConfig(num_splits=num_splits, kv_tile_tokens=16),
+        # num_stages 3: page ids loaded one tile ahead, clamped in splits past a sequence's end.
+        decode_config=DecodeConfig(
+            num_splits=num_splits, kv_tile_tokens=16, num_stages=2 if num_splits == 1 else 3
+        ),
         **kwargs,
     )
     assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas.decode_attention import DecodeConfig
+from kernels_pallas.ragged_paged_attention import RaggedConfig
 from kernels_pallas.triton_compile import (
     MAX_SHARED_BYTES,
     compile_for_sm,
@@ -40,3 +42,23 @@ def test_kernel_compiles_without_spilling(kernel, kv_dtype, head_dim, capability
         assert compiled.tensor_core_ops > 0, compiled
     if kernel == "ragged" and kv_dtype != "f32" and capability == 90:
         assert compiled.wgmma > 0, f"{compiled}: no Hopper warpgroup MMA"
+
+
+@pytest.mark.parametrize("kernel", ["ragged", "decode"])
+def test_three_stages_stream_the_next_tile_during_the_dots(kernel):
+    """With num_stages 3 the kernels carry the next tile's page ids (fold_kv_tiles), and
+    Triton double-buffers the KV tiles: a second K and V tile of shared memory (bf16,
+    head_dim 128, 64-token tiles: 32 KiB), loads in flight while a tile is consumed."""
+
+    def compiled(num_stages):
+        config = (RaggedConfig if kernel == "ragged" else DecodeConfig)(num_stages=num_stages)
+        lowered = lower_for_cuda(
+            kernel, kv_dtype=jnp.bfloat16, head_dim=128, group=4, config=config
+        )
+        [triton_kernel] = triton_kernels(lowered)
+        return compile_for_sm(triton_kernel, 90)
+
+    two, three = compiled(2), compiled(3)
+    assert three.stack_bytes == 0, three
+    assert three.shared_bytes >= two.shared_bytes + 2 * 64 * 128 * 2, (two, three)
+    assert three.cp_async > two.cp_async, (two, three)

@@ -48,7 +48,7 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
 fi
 
 if [[ $STAGE == bench || $STAGE == all ]]; then
-    # 9 cases x up to 4 implementations.
+    # 9 cases x up to 4 implementations, plus 3-stage tuning variants on the 5 bf16 cases.
     timeout 420 "$PY" benchmarks/kernels.py --out "$OUT" --iters 20 2>&1 | tee "$OUT/bench.log" \
         || status=1
 fi

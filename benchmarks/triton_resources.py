@@ -5,8 +5,9 @@ shapes the engine and `benchmarks/kernels.py` run (see kernels_pallas/triton_com
     python benchmarks/triton_resources.py [--out benchmarks/results]
 
 Per kernel: registers per thread, spilled bytes per thread, shared memory per program,
-programs resident per SM, tensor-core instructions (wgmma / mma.sync) and pipelined KV loads
-(cp.async). Needs `pip install triton` (in the test extras); no GPU.
+programs resident per SM, tensor-core instructions (wgmma / mma.sync) and asynchronous KV
+loads (cp.async); then the same for the tuning candidates `kernels.py` times. Needs
+`pip install triton` (in the test extras); no GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
+from kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
 
 from kernels_pallas.triton_compile import (  # noqa: E402
     compile_for_sm,
@@ -41,6 +43,43 @@ SHAPES = [
 ]
 
 
+def compile_row(label, head_dim, group, kv_dtype, kernel, capability, config=None) -> dict:
+    start = time.perf_counter()
+    lowered = lower_for_cuda(
+        kernel,
+        kv_dtype=kv_dtype,
+        head_dim=head_dim,
+        group=group,
+        num_kv_heads=8,
+        capability=capability,
+        config=config,
+    )
+    [triton_kernel] = triton_kernels(lowered)
+    compiled = compile_for_sm(triton_kernel, capability)
+    return {
+        "shape": label,
+        "head_dim": head_dim,
+        "group": group,
+        "kv_dtype": jnp.dtype(kv_dtype).name,
+        "kernel": kernel,
+        "config": repr(config) if config is not None else "default",
+        **dataclasses.asdict(compiled),
+        "blocks_per_sm": compiled.blocks_per_sm,
+        "compile_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def print_row(row: dict, name: str) -> None:
+    dtype = row["kv_dtype"].replace("float8_e4m3fn", "fp8")
+    dtype = dtype.replace("float32", "f32").replace("bfloat16", "bf16")
+    print(
+        f"{row['shape']:13} {dtype:6} {name:28} {row['capability']:>3} {row['registers']:>4} "
+        f"{row['stack_bytes']:>5} {row['shared_bytes'] / 1024:>8.1f} {row['blocks_per_sm']:>6} "
+        f"{row['wgmma']:>5} {row['mma_sync']:>4} {row['cp_async']:>8}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -49,47 +88,25 @@ def main() -> None:
 
     import triton
 
+    capabilities = [int(c) for c in args.capabilities.split(",")]
     rows = []
     header = (
-        f"{'shape':13} {'kv':6} {'kernel':6} {'sm':>3} {'regs':>4} {'spill':>5} "
+        f"{'shape':13} {'kv':6} {'kernel':28} {'sm':>3} {'regs':>4} {'spill':>5} "
         f"{'smem KiB':>8} {'per SM':>6} {'wgmma':>5} {'mma':>4} {'cp.async':>8}"
     )
     print(f"triton {triton.__version__}\n{header}")
     for label, head_dim, group, kv_dtype in SHAPES:
         for kernel in ("ragged", "decode"):
-            for capability in (int(c) for c in args.capabilities.split(",")):
-                start = time.perf_counter()
-                lowered = lower_for_cuda(
-                    kernel,
-                    kv_dtype=kv_dtype,
-                    head_dim=head_dim,
-                    group=group,
-                    num_kv_heads=8,
-                    capability=capability,
-                )
-                [triton_kernel] = triton_kernels(lowered)
-                compiled = compile_for_sm(triton_kernel, capability)
-                dtype = jnp.dtype(kv_dtype).name.replace("float8_e4m3fn", "fp8")
-                dtype = dtype.replace("float32", "f32").replace("bfloat16", "bf16")
-                print(
-                    f"{label:13} {dtype:6} {kernel:6} {capability:>3} {compiled.registers:>4} "
-                    f"{compiled.stack_bytes:>5} {compiled.shared_bytes / 1024:>8.1f} "
-                    f"{compiled.blocks_per_sm:>6} {compiled.wgmma:>5} {compiled.mma_sync:>4} "
-                    f"{compiled.cp_async:>8}",
-                    flush=True,
-                )
-                rows.append(
-                    {
-                        "shape": label,
-                        "head_dim": head_dim,
-                        "group": group,
-                        "kv_dtype": jnp.dtype(kv_dtype).name,
-                        "kernel": kernel,
-                        **dataclasses.asdict(compiled),
-                        "blocks_per_sm": compiled.blocks_per_sm,
-                        "compile_s": round(time.perf_counter() - start, 2),
-                    }
-                )
+            for capability in capabilities:
+                rows.append(compile_row(label, head_dim, group, kv_dtype, kernel, capability))
+                print_row(rows[-1], kernel)
+    # The tuning candidates benchmarks/kernels.py times on a GPU, at its bf16 shape.
+    for kernel, variants in TUNING_VARIANTS.items():
+        for name, config in variants.items():
+            for capability in capabilities:
+                row = compile_row("Llama-3-8B", 128, 4, jnp.bfloat16, kernel, capability, config)
+                rows.append({**row, "variant": name})
+                print_row(row, name.removeprefix("pallas_"))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "triton_resources.json"
     path.write_text(json.dumps({"triton": triton.__version__, "kernels": rows}, indent=1) + "\n")

@@ -24,11 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax.numpy as jnp  # noqa: E402
 from kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
 
-from kernels_pallas.triton_compile import (  # noqa: E402
-    compile_for_sm,
-    lower_for_cuda,
-    triton_kernels,
-)
+from kernels_pallas.triton_compile import compile_kernel  # noqa: E402
 
 # (label, head_dim, GQA group, KV dtype): the default model, the kernel benchmark's
 # Llama-3-8B-like heads, and head_dim 256.
@@ -45,17 +41,15 @@ SHAPES = [
 
 def compile_row(label, head_dim, group, kv_dtype, kernel, capability, config=None) -> dict:
     start = time.perf_counter()
-    lowered = lower_for_cuda(
+    compiled = compile_kernel(
         kernel,
+        capability,
         kv_dtype=kv_dtype,
         head_dim=head_dim,
         group=group,
         num_kv_heads=8,
-        capability=capability,
         config=config,
     )
-    [triton_kernel] = triton_kernels(lowered)
-    compiled = compile_for_sm(triton_kernel, capability)
     return {
         "shape": label,
         "head_dim": head_dim,

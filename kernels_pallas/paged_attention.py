@@ -96,7 +96,7 @@ def paged_attention(
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
     interpret = resolve_interpret(interpret)
     if software_fp8 is None:
-        software_fp8 = not interpret and gpu_lacks_fp8_conversions()
+        software_fp8 = not interpret and cache.k.dtype.itemsize == 1 and gpu_lacks_fp8_conversions()
     if k_scale is None and v_scale is None:  # an fp8 pool carries its own scales
         k_scale, v_scale = cache.k_scale, cache.v_scale
     use_window = sliding_window is not None

@@ -462,9 +462,8 @@ def ragged_paged_attention_kernel(
 __all__ = [
     "MASK_VALUE",
     "RaggedConfig",
-    "fold_kv_tiles",
-    "tile_pages",
     "default_tiling",
+    "fold_kv_tiles",
     "fp8_to_float32",
     "group_rows",
     "kv_tile_tokens",
@@ -473,5 +472,6 @@ __all__ = [
     "next_power_of_2",
     "pad_block_tables",
     "ragged_paged_attention_kernel",
+    "tile_pages",
     "work_items",
 ]

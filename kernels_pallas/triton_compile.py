@@ -13,13 +13,19 @@ estimate, not the GPU's own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
 import tempfile
 
+import jax
+import jax.numpy as jnp
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
+
+from kernels_pallas.decode_attention import DecodeConfig, decode_attention_kernel
+from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
 
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 
@@ -193,14 +199,6 @@ def lower_for_cuda(
     """Lowers one of the two kernels for a CUDA target from shapes alone (no arrays, no GPU),
     as `paged_attention` would on a GPU of `capability` (below 89: fp8 upcast in software).
     q is float32 for a float32 pool, else bfloat16; 3 layers, 64 pages of 16 table entries."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from kernels_pallas.decode_attention import DecodeConfig, decode_attention_kernel
-    from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
-
     num_layers, num_blocks, width = 3, 64, 16
     kv_dtype = jnp.dtype(kv_dtype)
     pool = jax.ShapeDtypeStruct(
@@ -232,3 +230,9 @@ def lower_for_cuda(
         raise ValueError(f"kernel must be 'ragged' or 'decode', not {kernel!r}")
     args += (i32((num_seqs, width)), i32(()), scales, scales)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def compile_kernel(kernel: str, capability: int = 90, **shapes) -> CompiledKernel:
+    """`lower_for_cuda(kernel, capability=capability, **shapes)`, compiled for that SM."""
+    [triton_kernel] = triton_kernels(lower_for_cuda(kernel, capability=capability, **shapes))
+    return compile_for_sm(triton_kernel, capability)

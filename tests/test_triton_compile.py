@@ -11,12 +11,7 @@ import pytest
 
 from kernels_pallas.decode_attention import DecodeConfig
 from kernels_pallas.ragged_paged_attention import RaggedConfig
-from kernels_pallas.triton_compile import (
-    MAX_SHARED_BYTES,
-    compile_for_sm,
-    lower_for_cuda,
-    triton_kernels,
-)
+from kernels_pallas.triton_compile import MAX_SHARED_BYTES, compile_kernel
 
 pytest.importorskip("triton", reason="Triton has wheels for Linux x86-64 only")
 
@@ -28,11 +23,9 @@ KV_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES), ids=list(KV_DTYPES))
 @pytest.mark.parametrize("kernel", ["ragged", "decode"])
 def test_kernel_compiles_without_spilling(kernel, kv_dtype, head_dim, capability):
-    lowered = lower_for_cuda(
-        kernel, kv_dtype=KV_DTYPES[kv_dtype], head_dim=head_dim, group=4, capability=capability
+    compiled = compile_kernel(
+        kernel, capability, kv_dtype=KV_DTYPES[kv_dtype], head_dim=head_dim, group=4
     )
-    [triton_kernel] = triton_kernels(lowered)
-    compiled = compile_for_sm(triton_kernel, capability)
     assert compiled.stack_bytes == 0, f"{compiled}: registers spill to local memory"
     assert compiled.shared_bytes <= MAX_SHARED_BYTES[capability], compiled
     assert compiled.cp_async > 0, f"{compiled}: KV loads are not pipelined"
@@ -52,11 +45,7 @@ def test_three_stages_stream_the_next_tile_during_the_dots(kernel):
 
     def compiled(num_stages):
         config = (RaggedConfig if kernel == "ragged" else DecodeConfig)(num_stages=num_stages)
-        lowered = lower_for_cuda(
-            kernel, kv_dtype=jnp.bfloat16, head_dim=128, group=4, config=config
-        )
-        [triton_kernel] = triton_kernels(lowered)
-        return compile_for_sm(triton_kernel, 90)
+        return compile_kernel(kernel, kv_dtype=jnp.bfloat16, head_dim=128, group=4, config=config)
 
     two, three = compiled(2), compiled(3)
     assert three.stack_bytes == 0, three

@@ -3,6 +3,7 @@ greedy outputs to scheduling and memory decisions, sampling, n > 1, stops, abort
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,6 +170,23 @@ def test_parallel_sampling_shares_prompt_blocks(tiny):
     assert len(outputs.outputs) == 4 and all(len(c.token_ids) == 6 for c in outputs.outputs)
     assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1
     assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_every_step_updates_the_donated_pool_in_place(tiny):
+    """Prefill, decode and copy-on-write steps write into the pool's own buffers: the step
+    donates the pool, so XLA aliases it to the output and no step copies the cache."""
+    engine = make_engine(tiny, block_size=8, num_kv_blocks=64)
+    first_pool = jax.tree.leaves(engine.runner.kv_cache)
+    buffers = [leaf.unsafe_buffer_pointer() for leaf in first_pool]
+    prompt = make_prompts(1, seed=6, lo=36, hi=37)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True)
+    engine.add_request("p", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_steps == 5
+    assert all(leaf.is_deleted() for leaf in first_pool)  # donated to the first step
+    pool = jax.tree.leaves(engine.runner.kv_cache)
+    assert [leaf.unsafe_buffer_pointer() for leaf in pool] == buffers
 
 
 def test_abort_mid_flight_frees_every_block(tiny):

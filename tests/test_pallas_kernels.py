@@ -8,6 +8,7 @@ PAGEDJAX_PALLAS_INTERPRET=0 (and JAX_PLATFORMS=cuda) on a GPU the same tests run
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -377,5 +378,10 @@ def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, k
     lowered = traced.lower(lowering_platforms=("cuda",))
     targets = triton_call_targets(lowered)
     assert len(targets) == kernels, targets
+    # The pool is donated: both its arrays alias outputs, so the GPU step writes in place.
+    element = {jnp.float32: "f32", jnp.bfloat16: "bf16"}[kv_dtype]
+    pool_type = "x".join(map(str, pool.shape)) + "x" + element
+    aliased = re.findall(r"tensor<([0-9a-z]+)> \{tf\.aliasing_output", lowered.as_text())
+    assert aliased == [pool_type, pool_type], aliased
     for kernel_ir in triton_kernels(lowered):
         triton_ir_text(kernel_ir)  # parses and verifies

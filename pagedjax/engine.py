@@ -25,6 +25,7 @@ from pagedjax.core.scheduler import Scheduler
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedjax.sampler import TokenLogprobs
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.worker.model_runner import (
     ModelRunner,
@@ -48,6 +49,10 @@ class _Group:
     params: SamplingParams
     seqs: list[EngineRequest] = field(default_factory=list)
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token, filled in as the parent's prefill chunks run.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -58,6 +63,15 @@ class _Group:
             RequestStatus.FINISHED_ABORTED,
         )
         return complete and all(s.status.finished for s in self.seqs)
+
+
+def _logprob_entry(token: int, logprobs: TokenLogprobs, row: int, k: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry for one position: the chosen token, then the k most likely."""
+    entry = {token: Logprob(float(logprobs.logprobs[row]), int(logprobs.ranks[row]))}
+    top_ids, top_logprobs = logprobs.top_token_ids[row][:k], logprobs.top_logprobs[row][:k]
+    for rank, (top_id, logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
+        entry.setdefault(int(top_id), Logprob(float(logprob), rank))
+    return entry
 
 
 def _attention_fn(backend: str):
@@ -232,6 +246,10 @@ class LLMEngine:
         group = _Group(request_id, prompt_text, prompt_ids, params)
         self._groups[request_id] = group
         parent = self._new_sequence(group, 0, base_seed, max_tokens, stop_ids, priority)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+            # Cached prompt tokens would be skipped, and their logprobs with them (as in vLLM).
+            parent.skip_prefix_cache = len(prompt_ids) > 1
         if arrival_time is not None:
             parent.arrival_time = arrival_time
         self.scheduler.add_request(parent)
@@ -308,18 +326,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        seqs, rows, row_seqs, forks = [], [], [], []
+        seqs, rows, row_seqs, forks, prompt_logprobs_asked = [], [], [], [], []
         for index, (seq, num_new) in enumerate(out.scheduled):
             start = seq.num_computed_tokens
-            seqs.append(
-                ScheduledSequence(
-                    seq.all_token_ids[start : start + num_new], start, self.kv.get_block_ids(seq)
-                )
+            scheduled = ScheduledSequence(
+                seq.all_token_ids[start : start + num_new], start, self.kv.get_block_ids(seq)
             )
+            seqs.append(scheduled)
+            group = self._groups[self._group_id(seq)]
+            if seq.skip_prefix_cache:
+                self._ask_prompt_logprobs(group, scheduled)
+                if scheduled.prompt_logprob_targets:
+                    prompt_logprobs_asked.append((group, len(scheduled.prompt_logprob_targets)))
             if start + num_new < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample
             targets = [seq]
-            group = self._groups[self._group_id(seq)]
             if seq.sample_index == 0 and seq.num_output_tokens == 0 and len(group.seqs) == 1:
                 # n > 1: the children sample their first token from the parent's last logits,
                 # then share its blocks (copy-on-write), instead of n prefills.
@@ -333,8 +354,11 @@ class LLMEngine:
                 rows.append(self._sample_row(index, target))
                 row_seqs.append(target)
 
+        num_prompt_logprobs = max(
+            (g.params.prompt_logprobs for g, _ in prompt_logprobs_asked), default=None
+        )
         try:
-            result = self.runner.execute(seqs, rows, out.block_copies)
+            result = self.runner.execute(seqs, rows, out.block_copies, num_prompt_logprobs)
         except Exception:
             logger.exception("step failed; its %d requests finish with an error", len(seqs))
             return self._fail_step(out, forks)
@@ -347,6 +371,8 @@ class LLMEngine:
             self.kv.fork(parent, child)
             self.scheduler.add_running(child)
 
+        if prompt_logprobs_asked:
+            self._store_prompt_logprobs(prompt_logprobs_asked, result.prompt_logprobs)
         touched: dict[str, _Group] = {}
         for row, seq in enumerate(row_seqs):
             self._append_token(seq, row, result, now)
@@ -390,6 +416,30 @@ class LLMEngine:
     def _group_id(seq: EngineRequest) -> str:
         return seq.parent_id if seq.parent_id is not None else seq.request_id
 
+    @staticmethod
+    def _ask_prompt_logprobs(group: _Group, scheduled: ScheduledSequence) -> None:
+        """Names the prompt tokens this chunk predicts whose logprobs are still missing (a
+        chunk recomputed after a preemption asks for none twice)."""
+        prompt = group.prompt_token_ids
+        start = scheduled.num_computed_tokens
+        first = max(start, len(group.prompt_logprobs) - 1)
+        stop = min(start + len(scheduled.token_ids), len(prompt) - 1)
+        if first < stop:
+            scheduled.prompt_logprob_targets = prompt[first + 1 : stop + 1]
+            scheduled.prompt_logprobs_offset = first - start
+
+    @staticmethod
+    def _store_prompt_logprobs(asked: list[tuple[_Group, int]], logprobs: TokenLogprobs) -> None:
+        """Appends each group's share of the step's prompt logprobs, in scheduling order."""
+        row = 0
+        for group, count in asked:
+            entries, prompt = group.prompt_logprobs, group.prompt_token_ids
+            for _ in range(count):
+                token = prompt[len(entries)]
+                entries.append(_logprob_entry(token, logprobs, row, group.params.prompt_logprobs))
+                row += 1
+            group.seqs[0].skip_prefix_cache = len(entries) < len(prompt)
+
     def _sample_row(self, seq_index: int, seq: EngineRequest) -> SampleRow:
         params = seq.params
         bias = {}
@@ -411,19 +461,8 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         if result.logprobs is not None and seq.params.logprobs is not None:
-            seq.cumulative_logprob += float(result.logprobs[row])
-            entry = {token: Logprob(float(result.logprobs[row]))}
-            for rank, (tid, lp) in enumerate(
-                zip(
-                    result.top_token_ids[row][: seq.params.logprobs],
-                    result.top_logprobs[row][: seq.params.logprobs],
-                    strict=True,
-                ),
-                start=1,
-            ):
-                entry.setdefault(int(tid), Logprob(float(lp)))
-                entry[int(tid)].rank = rank
-            seq.logprobs.append(entry)
+            seq.cumulative_logprob += float(result.logprobs.logprobs[row])
+            seq.logprobs.append(_logprob_entry(token, result.logprobs, row, seq.params.logprobs))
 
         group = self._groups[self._group_id(seq)]
         detokenizer = group.detokenizers[seq.sample_index]
@@ -474,6 +513,10 @@ class LLMEngine:
             deltas.append(delta)
         parent = group.seqs[0]
         finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
+        prompt_logprobs = group.prompt_logprobs
+        if only_new and prompt_logprobs is not None:
+            prompt_logprobs = None if group.prompt_logprobs_sent else prompt_logprobs
+            group.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -486,6 +529,7 @@ class LLMEngine:
                 finished_time=max(finish_times) if group.finished and finish_times else None,
             ),
             deltas=deltas,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # --------------------------------------------------------------------- stats

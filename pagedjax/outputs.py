@@ -43,3 +43,5 @@ class RequestOutput:
     metrics: RequestMetrics
     # Text produced since the previous output of this request, per completion (streaming).
     deltas: list[str] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then an entry per token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -44,13 +44,43 @@ class SamplingMetadata:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Given tokens' logprobs under the raw model distribution, and the most likely tokens."""
+
+    logprobs: jax.Array  # [R] f32
+    ranks: jax.Array  # [R] i32, 1 for the most likely token
+    top_token_ids: jax.Array  # [R, num_logprobs] i32
+    top_logprobs: jax.Array  # [R, num_logprobs] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [S] i32
     finite: jax.Array  # [S] bool: False when a row's logits hold NaN or inf (its token is junk)
     # The rest only when logprobs are asked for (num_logprobs is not None):
-    logprobs: jax.Array | None = None  # [S] f32, raw logprob of each sampled token
-    top_token_ids: jax.Array | None = None  # [S, num_logprobs] i32
-    top_logprobs: jax.Array | None = None  # [S, num_logprobs] f32
+    logprobs: TokenLogprobs | None = None
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
+    """logits [R, V] f32, tokens [R] i32 -> their logprobs and ranks, and the top
+    `num_logprobs` of each row (vLLM's ranks: 1 + the number of strictly likelier tokens)."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
+    ranks = 1 + jnp.sum(raw > logprobs, axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+    return TokenLogprobs(logprobs[:, 0], ranks, top_ids.astype(jnp.int32), top_logprobs)
+
+
+@partial(jax.jit, static_argnames=("num_logprobs",))
+def prompt_logprobs(
+    logits: jax.Array,  # [S, V] f32: the step's logits rows
+    rows: jax.Array,  # [P] i32: which of them predict a prompt token
+    targets: jax.Array,  # [P] i32: that prompt token
+    num_logprobs: int,
+) -> TokenLogprobs:
+    """Logprobs of prompt tokens given the tokens before them (SamplingParams.prompt_logprobs)."""
+    return token_logprobs(logits[rows], targets, num_logprobs)
 
 
 def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -161,11 +191,7 @@ def sample(
         tokens, finite = _sample_xla(logits, meta, use_penalties, use_truncation, all_greedy)
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
-
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(tokens, finite, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(tokens, finite, token_logprobs(logits, tokens, num_logprobs))
 
 
 def _sample_xla(

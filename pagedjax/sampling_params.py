@@ -35,6 +35,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token after the first, as in vLLM
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -82,6 +83,10 @@ class SamplingParams:
         check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
         check(all(self.stop), "stop strings must not be empty")
         check(

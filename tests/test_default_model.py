@@ -79,9 +79,12 @@ def test_greedy_tokens_equal_transformers(llm):
 
     tokenizer = llm.get_tokenizer()
     prompt_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
-    outputs = llm.generate(
-        prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
-    )
+    # The first request also scores its prompt (which must not change its tokens).
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=1 if i == 0 else None)
+        for i in range(len(PROMPTS))
+    ]
+    outputs = llm.generate(prompt_ids, params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outputs]
 
     path = resolve_model_path(None).path
@@ -100,4 +103,12 @@ def test_greedy_tokens_equal_transformers(llm):
         expected = out[0, len(ids) :].tolist()
         assert tokens == expected, f"{prompt!r}: {tokenizer.decode(tokens)!r}"
     assert sum(len(t) for t in ours) > 4 * MAX_TOKENS  # real answers, not immediate EOS
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids[0]])).logits[0]
+    want = torch.log_softmax(logits.double(), -1).numpy()
+    scored = outputs[0].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(prompt_ids[0])
+    for position, entry in enumerate(scored[1:]):
+        token = prompt_ids[0][position + 1]
+        assert entry[token].logprob == pytest.approx(want[position, token], abs=1e-3)
     assert outputs[0].outputs[0].text.strip() == "The capital of France is Paris."

@@ -321,6 +321,54 @@ def test_logprobs(tiny):
     )
 
 
+def test_prompt_logprobs_match_transformers(tiny):
+    """SamplingParams.prompt_logprobs against transformers' log-softmax at every prompt position,
+    whole or chunked, with a cached copy of the prompt in the pool, and across preemptions."""
+    hf_model = tiny("llama")[1]
+    shared = make_prompts(1, seed=13, lo=30, hi=31)[0]
+    prompts = [shared, shared, shared[:17] + [5, 9]]
+    params = SamplingParams(max_tokens=12, prompt_logprobs=3, **GREEDY)
+    configs = {
+        "whole": dict(),
+        "chunked": dict(max_num_batched_tokens=8, block_size=8, num_kv_blocks=128),
+        "preempted": dict(num_kv_blocks=14, block_size=8, max_model_len=64),
+    }
+    for name, options in configs.items():
+        engine = make_engine(tiny, **options)
+        if name == "preempted":
+            outputs = run(engine, prompts, params)
+        else:  # one at a time: the later copies of the prompt find its blocks cached
+            outputs = [run(engine, [prompt], params)[0] for prompt in prompts]
+        for prompt, output in zip(prompts, outputs, strict=True):
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt])).logits[0]
+            want = torch.log_softmax(logits.double(), -1).numpy()
+            assert output.prompt_logprobs[0] is None
+            assert len(output.prompt_logprobs) == len(prompt)
+            for position, entry in enumerate(output.prompt_logprobs[1:]):
+                token, row = prompt[position + 1], want[position]
+                assert entry[token].logprob == pytest.approx(row[token], abs=2e-5), name
+                assert entry[token].rank == 1 + int((row > row[token]).sum()), name
+                top = [t for t, e in entry.items() if e.rank is not None and e.rank <= 3]
+                assert sorted(top) == sorted(np.argsort(-row)[:3].tolist()), name
+        if name == "preempted":
+            assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.block_pool.num_used_blocks == 0
+
+
+def test_prompt_logprobs_arrive_once_in_delta_outputs(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(
+        n=2, max_tokens=3, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA, **GREEDY
+    )
+    engine.add_request("d", make_prompts(1, seed=14)[0], params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.prompt_logprobs is not None for o in outputs] == [True, False, False]
+    assert all(len(entry) == 1 for entry in outputs[0].prompt_logprobs[1:])
+
+
 def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
     engine = make_engine(tiny)
     engine.add_request("ok", make_prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY))

@@ -8,7 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.sampler import _sample_xla, build_sampling_metadata, sample, truncate
+from pagedjax.sampler import (
+    _sample_xla,
+    build_sampling_metadata,
+    sample,
+    token_logprobs,
+    truncate,
+)
 from pagedjax.sampling_params import SamplingParams
 
 V = 50
@@ -37,10 +43,25 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
     shifted = logits - logits.max(-1, keepdims=True)
     expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-expected)[:, :5], rtol=1e-5)
+    logprobs = out.logprobs
     np.testing.assert_allclose(
-        np.asarray(out.logprobs), expected[np.arange(4), logits.argmax(-1)], rtol=1e-5
+        np.asarray(logprobs.top_logprobs), -np.sort(-expected)[:, :5], rtol=1e-5
     )
+    np.testing.assert_array_equal(np.asarray(logprobs.top_token_ids)[:, 0], logits.argmax(-1))
+    np.testing.assert_allclose(
+        np.asarray(logprobs.logprobs), expected[np.arange(4), logits.argmax(-1)], rtol=1e-5
+    )
+    np.testing.assert_array_equal(np.asarray(logprobs.ranks), 1)
+
+
+def test_token_logprobs_rank_any_token():
+    logits = random_logits(3, seed=4)
+    tokens = np.array([7, 0, V - 1], np.int32)
+    out = token_logprobs(logits, tokens, num_logprobs=2)
+    order = np.argsort(-logits, axis=-1)
+    ranks = [1 + int(np.nonzero(order[r] == t)[0][0]) for r, t in enumerate(tokens)]
+    np.testing.assert_array_equal(np.asarray(out.ranks), ranks)
+    np.testing.assert_array_equal(np.asarray(out.top_token_ids), order[:, :2])
 
 
 def test_without_logprobs_the_same_tokens_and_no_logprob_arrays():
@@ -52,7 +73,7 @@ def test_without_logprobs_the_same_tokens_and_no_logprob_arrays():
         np.asarray(without.token_ids), np.asarray(with_logprobs.token_ids)
     )
     np.testing.assert_array_equal(np.asarray(without.finite), np.asarray(with_logprobs.finite))
-    assert without.logprobs is None and without.top_logprobs is None
+    assert without.logprobs is None
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():

@@ -59,6 +59,8 @@ class EngineRequest(Request):
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         self.first_token_time: float | None = None
+        # The scheduler admits it without prefix-cache hits (prompt logprobs still to compute).
+        self.skip_prefix_cache = False
         self.finish_time: float | None = None
 
     @property

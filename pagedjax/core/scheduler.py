@@ -146,6 +146,8 @@ class Scheduler:
         ):
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.skip_prefix_cache:
+                hits, num_hit_tokens = [], 0
             request.num_computed_tokens = 0
             remaining = request.num_tokens - num_hit_tokens
             if self.long_prefill_token_threshold:

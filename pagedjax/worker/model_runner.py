@@ -28,9 +28,11 @@ from models.config import ModelConfig
 from models.llama import AttentionFn, Params, forward_logits, pack_matmul_weights
 from pagedjax.sampler import (
     SamplerOutput,
+    TokenLogprobs,
     build_sampling_metadata,
     needs_penalties,
     needs_truncation,
+    prompt_logprobs,
     sample,
 )
 from pagedjax.sampling_params import SamplingParams
@@ -116,6 +118,9 @@ class ScheduledSequence:
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_ids: Sequence[int]
+    # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
+    prompt_logprob_targets: Sequence[int] = ()
+    prompt_logprobs_offset: int = 0
 
 
 @dataclass
@@ -134,9 +139,13 @@ class SampleRow:
 class StepResult:
     token_ids: np.ndarray  # [rows]
     finite: np.ndarray  # [rows] bool: False when the row's logits were NaN/inf
-    logprobs: np.ndarray | None  # [rows], raw logprob of each sampled token
-    top_token_ids: np.ndarray | None  # [rows, num_logprobs]
-    top_logprobs: np.ndarray | None  # [rows, num_logprobs]
+    logprobs: TokenLogprobs | None = None  # numpy, [rows]: the sampled tokens'
+    prompt_logprobs: TokenLogprobs | None = None  # numpy, the sequences' targets in order
+
+
+def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
+    """The first n rows, on the host."""
+    return None if logprobs is None else jax.tree.map(lambda a: np.asarray(a)[:n], logprobs)
 
 
 class ModelRunner:
@@ -281,17 +290,36 @@ class ModelRunner:
         seqs: Sequence[ScheduledSequence],
         rows: Sequence[SampleRow],
         block_copies: Sequence[tuple[int, int]] = (),
+        num_prompt_logprobs: int | None = None,
     ) -> StepResult:
-        """Runs one step: copy-on-write copies, the forward, and a sample for each row."""
-        tokens, positions, metadata, r_pad, copies = self.prepare(seqs, len(rows), block_copies)
-        last_token_row = np.cumsum([len(s.token_ids) for s in seqs]) - 1
+        """Runs one step: copy-on-write copies, the forward, a sample for each row, and the
+        logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top ones)."""
+        ends = np.cumsum([len(s.token_ids) for s in seqs])
+        sample_rows = [ends[r.seq_index] - 1 for r in rows]
+        prompt_rows, targets = [], []
+        for seq, end in zip(seqs, ends, strict=True):
+            if seq.prompt_logprob_targets:
+                first = end - len(seq.token_ids) + seq.prompt_logprobs_offset
+                prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
+                targets += seq.prompt_logprob_targets
+        num_rows = len(rows) + len(prompt_rows)
+        tokens, positions, metadata, r_pad, copies = self.prepare(seqs, num_rows, block_copies)
         logits_rows = np.zeros(r_pad, np.int32)
-        logits_rows[: len(rows)] = [last_token_row[r.seq_index] for r in rows]
+        logits_rows[:num_rows] = sample_rows + prompt_rows
         logits, self.kv_cache = self._forward(
             self.params, tokens, positions, self.kv_cache, metadata, logits_rows, copies
         )
+        prompt = None
+        if prompt_rows:
+            p_pad = power_of_two_at_least(len(prompt_rows))
+            which = np.zeros(p_pad, np.int32)
+            which[: len(prompt_rows)] = range(len(rows), num_rows)
+            padded_targets = np.zeros(p_pad, np.int32)
+            padded_targets[: len(targets)] = targets
+            prompt = prompt_logprobs(logits, which, padded_targets, num_prompt_logprobs or 0)
         if not rows:
-            return StepResult(np.zeros(0, np.int32), np.zeros(0, bool), None, None, None)
+            empty = np.zeros(0, np.int32), np.zeros(0, bool)
+            return StepResult(*empty, None, _fetch(prompt, len(targets)))
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -313,16 +341,11 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
         )
         n = len(rows)
-        token_ids = np.asarray(out.token_ids)[:n]
-        finite = np.asarray(out.finite)[:n]
-        if num_logprobs is None:
-            return StepResult(token_ids, finite, None, None, None)
         return StepResult(
-            token_ids,
-            finite,
-            np.asarray(out.logprobs)[:n],
-            np.asarray(out.top_token_ids)[:n],
-            np.asarray(out.top_logprobs)[:n],
+            np.asarray(out.token_ids)[:n],
+            np.asarray(out.finite)[:n],
+            _fetch(out.logprobs if num_logprobs is not None else None, n),
+            _fetch(prompt, len(targets)),
         )
 
     def reset_kv_cache(self) -> None:

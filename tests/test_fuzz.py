@@ -1,7 +1,8 @@
 """Seeded fuzzing of whole workloads on a tiny model: random arrivals, prompt and output
 lengths, sampling parameters, n, aborts, shared prefixes and tiny pools. After each workload:
-every finished greedy request equals the same request run alone, no block is leaked, and the
-prefix cache only holds keys of real token chains."""
+every finished greedy request equals the same request run alone (and so do the prompt logprobs
+of any request that asks for them), no block is leaked, and the prefix cache only holds keys of
+real token chains."""
 
 from __future__ import annotations
 
@@ -27,19 +28,32 @@ def tiny_loaded(tiny_model_dir):
     return lambda name: (path, hf_model, config, params)
 
 
+def prompt_logprobs_of(output) -> list[float]:
+    """The logprob of each prompt token after the first."""
+    pairs = zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True)
+    return [entry[token].logprob for token, entry in pairs]
+
+
 def test_fuzz_workloads(tiny_loaded):
     rng = random.Random(1234)
     reference = make_engine(tiny_loaded, max_model_len=64, num_kv_blocks=64)
-    alone_cache: dict[tuple, list[int]] = {}
+    alone_cache: dict[tuple, tuple[list[int], list[float]]] = {}
 
-    def alone(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
+    def alone(prompt: list[int], max_tokens: int, scored: bool) -> tuple[list[int], list[float]]:
+        """Greedy tokens (and the prompt's logprobs if `scored`) of the request run on its own."""
+        key = (tuple(prompt), max_tokens, scored)
         if key not in alone_cache:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                prompt_logprobs=0 if scored else None,
+            )
             reference.add_request("ref", prompt, params)
             while reference.has_unfinished_requests():
                 for out in reference.step():
-                    alone_cache[key] = out.outputs[0].token_ids
+                    scores = prompt_logprobs_of(out) if scored else []
+                    alone_cache[key] = out.outputs[0].token_ids, scores
         return alone_cache[key]
 
     totals = {"requests": 0, "aborted": 0, "preemptions": 0, "hit_tokens": 0}
@@ -71,6 +85,7 @@ def test_fuzz_workloads(tiny_loaded):
                 seed=rng.randrange(1000),
                 max_tokens=rng.randint(1, MAX_OUTPUT),
                 ignore_eos=True,
+                prompt_logprobs=rng.choice([0, 2]) if rng.random() < 0.15 else None,
             )
             arrival = rng.randint(0, 6)
             abort_at = arrival + rng.randint(0, 8) if rng.random() < 0.15 else None
@@ -102,10 +117,16 @@ def test_fuzz_workloads(tiny_loaded):
                 continue
             completions = done[request_id].outputs
             assert len(completions) == params.n
+            scored = params.prompt_logprobs is not None
+            if scored or params.temperature == 0:
+                tokens, prompt_logprobs = alone(prompt, params.max_tokens, scored)
             for completion in completions:
                 assert len(completion.token_ids) == params.max_tokens
                 if params.temperature == 0:
-                    assert completion.token_ids == alone(prompt, params.max_tokens), request_id
+                    assert completion.token_ids == tokens, request_id
+            if scored:
+                got = prompt_logprobs_of(done[request_id])
+                assert got == pytest.approx(prompt_logprobs, abs=1e-5), request_id
         pool = engine.kv.block_pool
         assert pool.num_used_blocks == 0
         assert all(block.ref_cnt == 0 for block in pool.blocks[1:])

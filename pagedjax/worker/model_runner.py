@@ -222,8 +222,11 @@ class ModelRunner:
         seqs: Sequence[ScheduledSequence],
         num_rows: int,
         block_copies: Sequence[tuple[int, int]],
+        rows_for_every_token: bool = False,
     ) -> tuple:
-        """Fills the host buffers for a step; returns the forward's array arguments."""
+        """Fills the host buffers for a step; returns the forward's array arguments and the
+        padded number of logits rows (at least the padded tokens with `rows_for_every_token`:
+        prompt logprobs then cost one forward shape per token bucket, not one per row count)."""
         num_tokens = sum(len(s.token_ids) for s in seqs)
         t_pad = self._bucket_tokens(num_tokens)
         s_pad = min(t_pad, self.max_seqs_bucket)
@@ -282,7 +285,7 @@ class ModelRunner:
             num_seqs=np.int32(len(seqs)),
             num_tokens=np.int32(num_tokens),
         )
-        r_pad = max(s_pad, power_of_two_at_least(num_rows))
+        r_pad = max(t_pad if rows_for_every_token else s_pad, power_of_two_at_least(num_rows))
         return tokens.copy(), positions.copy(), metadata, r_pad, copies
 
     def execute(
@@ -303,7 +306,9 @@ class ModelRunner:
                 prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
                 targets += seq.prompt_logprob_targets
         num_rows = len(rows) + len(prompt_rows)
-        tokens, positions, metadata, r_pad, copies = self.prepare(seqs, num_rows, block_copies)
+        tokens, positions, metadata, r_pad, copies = self.prepare(
+            seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows)
+        )
         logits_rows = np.zeros(r_pad, np.int32)
         logits_rows[:num_rows] = sample_rows + prompt_rows
         logits, self.kv_cache = self._forward(

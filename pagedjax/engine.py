@@ -334,7 +334,7 @@ class LLMEngine:
             )
             seqs.append(scheduled)
             group = self._groups[self._group_id(seq)]
-            if seq.skip_prefix_cache:
+            if seq.skip_prefix_cache:  # set only while prompt logprobs are missing
                 self._ask_prompt_logprobs(group, scheduled)
                 if scheduled.prompt_logprob_targets:
                     prompt_logprobs_asked.append((group, len(scheduled.prompt_logprob_targets)))

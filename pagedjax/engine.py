@@ -235,6 +235,8 @@ class LLMEngine:
                 f"request id {request_id!r} is already in use; pick a new one"
             )
         prompt_text, prompt_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # left truncation
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_model_len - len(prompt_ids)

@@ -36,6 +36,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # per prompt token after the first, as in vLLM
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -87,6 +88,10 @@ class SamplingParams:
         check(
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+        )
+        check(
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}",
         )
         check(all(self.stop), "stop strings must not be empty")
         check(

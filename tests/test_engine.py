@@ -391,6 +391,14 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
     assert engine.kv.block_pool.num_used_blocks == 0
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny):
+    long_prompt = make_prompts(1, seed=15, lo=150, hi=151)[0]  # beyond max_model_len 128
+    params = SamplingParams(max_tokens=5, truncate_prompt_tokens=100, **GREEDY)
+    truncated, direct = run(make_engine(tiny), [long_prompt, long_prompt[-100:]], params)
+    assert truncated.prompt_token_ids == long_prompt[-100:]
+    assert truncated.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
 def test_pool_too_small_for_max_model_len_fails_at_startup(tiny):
     with pytest.raises(ValueError, match="max_model_len <= 64"):
         make_engine(tiny, num_kv_blocks=5, block_size=16, max_model_len=128)

@@ -167,6 +167,8 @@ def test_logit_bias_and_stop_masking():
         (dict(frequency_penalty=-3.0), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(logprobs=100), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(output_kind=2), "output_kind"),

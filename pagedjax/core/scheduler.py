@@ -64,8 +64,8 @@ class Scheduler:
         if total > self.max_model_len:
             raise RequestTooLongError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}: shorten the prompt, lower "
-                "max_tokens, or raise max_model_len"
+                f"exceeds max_model_len {self.max_model_len}: shorten the prompt (or set "
+                "truncate_prompt_tokens), lower max_tokens, or raise max_model_len"
             )
         blocks = -(-total // self.kv.block_size)
         usable = self.kv.block_pool.num_usable_blocks

@@ -300,9 +300,9 @@ class ModelRunner:
         ends = np.cumsum([len(s.token_ids) for s in seqs])
         sample_rows = [ends[r.seq_index] - 1 for r in rows]
         prompt_rows, targets = [], []
-        for seq, end in zip(seqs, ends, strict=True):
+        for index, seq in enumerate(seqs):
             if seq.prompt_logprob_targets:
-                first = end - len(seq.token_ids) + seq.prompt_logprobs_offset
+                first = int(ends[index]) - len(seq.token_ids) + seq.prompt_logprobs_offset
                 prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
                 targets += seq.prompt_logprob_targets
         num_rows = len(rows) + len(prompt_rows)

@@ -6,7 +6,8 @@
 #          2. the engine on the GPU with tiny random models: greedy tokens against transformers
 #             and their invariance to block size, chunking, preemption and prefix caching, the
 #             Pallas backend against the reference backend, fp8 pools, no compilation after
-#             warmup; the model's logits against transformers at 1e-4 (float32 matmuls, not TF32).
+#             warmup, the pool updated in place, prompt logprobs; the model's logits against
+#             transformers at 1e-4 (float32 matmuls, not TF32).
 #   bench  benchmarks/kernels.py: our ragged and split-K kernels vs JAX's bundled Pallas paged
 #          attention and the XLA reference, KV GB/s against a measured copy bandwidth.
 # Usage, from the repository root on the GPU machine:
@@ -44,7 +45,7 @@ pytest_stage() {  # name, timeout in seconds, pytest arguments...
 if [[ $STAGE == tests || $STAGE == all ]]; then
     pytest_stage kernels 240 tests/test_pallas_kernels.py
     pytest_stage engine 240 tests/test_model_parity.py tests/test_engine.py \
-        -k 'greedy or pallas or fp8 or compiles_nothing or transformers or ask_for_float32'
+        -k 'greedy or pallas or fp8 or compiles_nothing or transformers or ask_for_float32 or donated_pool'
 fi
 
 if [[ $STAGE == bench || $STAGE == all ]]; then

@@ -29,6 +29,7 @@ TARGETS = {
     "pagedjax_packed_matmul": "PackedMatmul",
     "pagedjax_quantized_matmul": "QuantizedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
+    "pagedjax_token_logprobs": "TokenLogprobs",
 }
 
 

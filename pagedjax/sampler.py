@@ -65,6 +65,12 @@ class SamplerOutput:
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
     """logits [R, V] f32, tokens [R] i32 -> their logprobs and ranks, and the top
     `num_logprobs` of each row (vLLM's ranks: 1 + the number of strictly likelier tokens)."""
+    if cpu_sampling.supports(logits):
+        return TokenLogprobs(*cpu_sampling.token_logprobs(logits, tokens, num_logprobs))
+    return _token_logprobs_xla(logits, tokens, num_logprobs)
+
+
+def _token_logprobs_xla(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
     raw = jax.nn.log_softmax(logits, axis=-1)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
     ranks = 1 + jnp.sum(raw > logprobs, axis=-1, dtype=jnp.int32)

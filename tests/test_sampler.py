@@ -10,6 +10,7 @@ import pytest
 
 from pagedjax.sampler import (
     _sample_xla,
+    _token_logprobs_xla,
     build_sampling_metadata,
     sample,
     token_logprobs,
@@ -293,3 +294,30 @@ def test_cpu_greedy_kernel_matches_xla():
     assert list(np.asarray(tokens)[[0, 1, 2, 8]]) == [5, 500, 0, 40]
     out = sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
     np.testing.assert_array_equal(np.asarray(out.token_ids), np.asarray(tokens))
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 3])
+def test_cpu_logprobs_kernel_matches_xla(num_logprobs):
+    """The C++ log-softmax pass (logprobs and prompt logprobs on the CPU) against XLA's: ties at
+    the top (the lower index first), a row of equal logits, tokens in the scalar tail of a
+    vocabulary that is not a multiple of 8."""
+    from kernels_pallas import cpu_kernels, cpu_sampling
+
+    assert cpu_kernels.available()
+    vocab = 1003
+    logits = np.random.default_rng(6).normal(0, 3, (9, vocab)).astype(np.float32)
+    logits[1, [900, 7, 500]] = 50.0
+    logits[2, :] = 1.0
+    logits[3, 1001] = 60.0
+    tokens = np.array([4, 500, 999, 1001, 1002, 0, 17, 640, 333], np.int32)
+    got = cpu_sampling.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
+    want = _token_logprobs_xla(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want.logprobs), atol=1e-6)
+    chosen = logits[np.arange(9), tokens][:, None]
+    np.testing.assert_array_equal(np.asarray(got[1]), 1 + (logits > chosen).sum(-1))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want.ranks))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want.top_token_ids))
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want.top_logprobs), atol=1e-6)
+    if num_logprobs:
+        assert list(np.asarray(got[2])[1]) == [7, 500, 900]
+        assert list(np.asarray(got[2])[2]) == [0, 1, 2]

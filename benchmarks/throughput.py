@@ -28,7 +28,13 @@ from report import report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, make_prompts, w2  # noqa: E402
 
 
-def run_peer(prompts: list[list[int]], max_tokens: list[int], batches: list[int]) -> dict:
+def run_peer(
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    batches: list[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> dict:
     """transformers generate in static batches of each size; output tok/s per batch size."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -47,6 +53,9 @@ def run_peer(prompts: list[list[int]], max_tokens: list[int], batches: list[int]
         model.generate(
             torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=pad
         )
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     best = 0.0
     for batch in batches:
         useful, start = 0, time.perf_counter()
@@ -62,8 +71,8 @@ def run_peer(prompts: list[list[int]], max_tokens: list[int], batches: list[int]
                     attention_mask=mask,
                     max_new_tokens=new,
                     min_new_tokens=new,
-                    do_sample=False,
                     pad_token_id=pad,
+                    **sampling,
                 )
             useful += sum(budgets)
         tok_s = useful / (time.perf_counter() - start)
@@ -89,6 +98,8 @@ def main() -> None:
         "--max-num-seqs", type=int, default=128, help="running requests at once (engine default)"
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--peer", action="store_true", help="also run transformers generate")
     parser.add_argument("--peer-batches", default="1,8,32", help="static batch sizes of the peer")
     parser.add_argument(
@@ -119,15 +130,22 @@ def main() -> None:
     if w1:
         prompts = make_prompts(llm.get_tokenizer(), count)
         max_tokens = [args.tokens] * count
-        label = f"W1: {count} prompts x {args.tokens} tokens, greedy"
+        label = f"W1: {count} prompts x {args.tokens} tokens"
     else:
         prompts, max_tokens = w2(llm.get_tokenizer(), 256)
         prompts, max_tokens = prompts[:count], max_tokens[:count]
-        label = f"W2: {count} of 256 requests, prompts 32-512, outputs 16-512, greedy"
+        label = f"W2: {count} of 256 requests, prompts 32-512, outputs 16-512"
+    sampled = args.temperature > 0
+    label += f", temperature {args.temperature} top-p {args.top_p}" if sampled else ", greedy"
     engine = llm.llm_engine
     warmup_s = engine.runner.warmup()
     compiled = engine.runner.num_compilations
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    params = [
+        SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, seed=i, max_tokens=m, ignore_eos=True
+        )
+        for i, m in enumerate(max_tokens)
+    ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -150,11 +168,11 @@ def main() -> None:
         n = args.peer_requests or count
         batches = [int(b) for b in args.peer_batches.split(",")]
         result["peer_requests"] = n
-        result.update(run_peer(prompts[:n], max_tokens[:n], batches))
+        result.update(run_peer(prompts[:n], max_tokens[:n], batches, args.temperature, args.top_p))
         result["engine_vs_best_peer"] = (
             result["output_tokens_per_s"] / result["peer_best_output_tokens_per_s"]
         )
-    report("throughput" if w1 else "throughput_w2", result)
+    report(("throughput" if w1 else "throughput_w2") + ("_sampled" if sampled else ""), result)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ TARGETS = {
     "pagedjax_quantized_matmul": "QuantizedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
     "pagedjax_token_logprobs": "TokenLogprobs",
+    "pagedjax_random_sample": "RandomSample",
 }
 
 

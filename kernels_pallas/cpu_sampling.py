@@ -17,6 +17,7 @@ from kernels_pallas import cpu_kernels
 
 TARGET = "pagedjax_greedy_sample"
 LOGPROBS_TARGET = "pagedjax_token_logprobs"
+RANDOM_TARGET = "pagedjax_random_sample"
 
 
 def supports(logits: jax.Array) -> bool:
@@ -58,3 +59,32 @@ def token_logprobs(
         ),
     )
     return call(logits, tokens.astype(jnp.int32))
+
+
+def random_sample(
+    logits: jax.Array,  # [S, V] float32, penalties and bias applied
+    temperature: jax.Array,  # [S] float32, 0 for greedy rows
+    top_k: jax.Array,  # [S] int32, 0: off
+    top_p: jax.Array,  # [S] float32, 1: off
+    min_p: jax.Array,  # [S] float32, 0: off
+    bits: jax.Array,  # [S, 2] uint32, the row's random bits
+) -> tuple[jax.Array, jax.Array]:  # tokens [S] int32, thresholds [S] float32
+    """One token per row from the temperature-scaled, truncated distribution (as
+    `pagedjax.sampler.truncate`), drawn by inverse CDF from 53 of the bits; greedy rows take
+    the argmax. Also each row's smallest kept scaled logit. Call when `supports`."""
+    rows = logits.shape[0]
+    call = jax.ffi.ffi_call(
+        RANDOM_TARGET,
+        (
+            jax.ShapeDtypeStruct((rows,), jnp.int32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+        ),
+    )
+    return call(
+        logits,
+        temperature.astype(jnp.float32),
+        top_k.astype(jnp.int32),
+        top_p.astype(jnp.float32),
+        min_p.astype(jnp.float32),
+        bits.astype(jnp.uint32),
+    )

@@ -172,8 +172,13 @@ def truncate(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.where(logits >= threshold, logits, _NEG_INF)
 
 
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """A row's draw key: its request's seed folded with the tokens it has generated."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
 def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
-    key = jax.random.fold_in(jax.random.key(seed), step)
+    key = _row_key(seed, step)
     noise = jax.random.exponential(key, probs.shape, jnp.float32)
     return jnp.argmax(probs / noise).astype(jnp.int32)
 
@@ -221,6 +226,22 @@ def _sample_xla(
 def _draw_rows(
     logits: jax.Array, greedy_tokens: jax.Array, meta: SamplingMetadata, use_truncation: bool
 ) -> jax.Array:
+    if cpu_sampling.supports(logits):
+        # The same distribution, drawn by inverse CDF from 53 random bits per row instead of a
+        # noise value per token (XLA:CPU: 0.4-0.7 s for 256 rows of a 49k vocabulary).
+        bits = jax.vmap(lambda seed, step: jax.random.bits(_row_key(seed, step), (2,)))(
+            meta.seeds, meta.steps
+        )
+        rows = logits.shape[0]
+        tokens, _ = cpu_sampling.random_sample(
+            logits,
+            meta.temperature,
+            meta.top_k if use_truncation else jnp.zeros(rows, jnp.int32),
+            meta.top_p if use_truncation else jnp.ones(rows, jnp.float32),
+            meta.min_p if use_truncation else jnp.zeros(rows, jnp.float32),
+            bits,
+        )
+        return tokens
     greedy = meta.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
     if use_truncation:

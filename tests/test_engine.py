@@ -157,7 +157,9 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny):
 def test_parallel_sampling_shares_prompt_blocks(tiny):
     engine = make_engine(tiny, block_size=8, num_kv_blocks=64)
     prompt = make_prompts(1, seed=6, lo=36, hi=37)[0]  # 4 full blocks + a partial one
-    engine.add_request("p", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6))
+    engine.add_request(
+        "p", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    )
     engine.step()  # prefill + the first token of all four samples
     used = engine.kv.block_pool.num_used_blocks
     assert used == 5  # the prompt's 5 blocks, shared by 4 sequences, not 20

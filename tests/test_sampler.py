@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from pagedjax.sampling_params import SamplingParams
 V = 50
 
 
-def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0):
+def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0, sampler=sample):
     n = len(params)
     prompts, outputs = prompts or [[]] * n, outputs or [[]] * n
     meta = build_sampling_metadata(
@@ -30,8 +31,21 @@ def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0):
         [len(p) for p in prompts],
         seeds if seeds is not None else list(range(n)),
     )
-    out = sample(np.asarray(logits, np.float32), meta, num_logprobs=num_logprobs)
+    out = sampler(np.asarray(logits, np.float32), meta, num_logprobs=num_logprobs)
     return out
+
+
+@pytest.fixture(params=["cpu_kernel", "xla"])
+def draw_with(request, monkeypatch):
+    """The sampler as the CPU runs it (the C++ draw), or as a GPU does (XLA's noise argmax): a
+    fresh jit of `sample` traced with the kernels switched off."""
+    if request.param == "cpu_kernel":
+        return sample
+    from kernels_pallas import cpu_sampling
+
+    monkeypatch.setattr(cpu_sampling, "supports", lambda logits: False)
+    statics = ("num_logprobs", "use_penalties", "use_truncation", "all_greedy")
+    return jax.jit(sample.__wrapped__, static_argnames=statics)
 
 
 def random_logits(rows, seed=0):
@@ -77,20 +91,25 @@ def test_without_logprobs_the_same_tokens_and_no_logprob_arrays():
     assert without.logprobs is None
 
 
-def test_seeded_draws_do_not_depend_on_the_batch():
+def test_seeded_draws_do_not_depend_on_the_batch(draw_with):
     logits = random_logits(6)
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
-    alone = [int(run(logits[i : i + 1], params[i : i + 1], seeds=[i]).token_ids[0]) for i in (1, 4)]
-    together = run(logits, params, seeds=list(range(6))).token_ids
-    reordered = run(logits[[4, 0, 1]], [params[i] for i in (4, 0, 1)], seeds=[4, 0, 1]).token_ids
+    alone = [
+        int(run(logits[i : i + 1], params[i : i + 1], seeds=[i], sampler=draw_with).token_ids[0])
+        for i in (1, 4)
+    ]
+    together = run(logits, params, seeds=list(range(6)), sampler=draw_with).token_ids
+    reordered = run(
+        logits[[4, 0, 1]], [params[i] for i in (4, 0, 1)], seeds=[4, 0, 1], sampler=draw_with
+    ).token_ids
     assert alone == [int(together[1]), int(together[4])]
     assert alone == [int(reordered[2]), int(reordered[0])]
 
 
-def test_draws_follow_the_distribution_and_seeds_differ():
+def test_draws_follow_the_distribution_and_seeds_differ(draw_with):
     logits = np.tile(random_logits(1, seed=3) / 2, (2000, 1))
     params = [SamplingParams(temperature=1.0)] * 2000
-    tokens = np.asarray(run(logits, params, seeds=list(range(2000))).token_ids)
+    tokens = np.asarray(run(logits, params, seeds=list(range(2000)), sampler=draw_with).token_ids)
     probs = np.exp(logits[0] - logits[0].max())
     probs /= probs.sum()
     freq = np.bincount(tokens, minlength=V) / len(tokens)
@@ -98,7 +117,7 @@ def test_draws_follow_the_distribution_and_seeds_differ():
     assert len(set(tokens.tolist())) > 5
 
 
-def test_top_k_top_p_min_p_restrict_the_support():
+def test_top_k_top_p_min_p_restrict_the_support(draw_with):
     logits = random_logits(1, seed=5)
     order = np.argsort(-logits[0])
     n = 400
@@ -109,15 +128,17 @@ def test_top_k_top_p_min_p_restrict_the_support():
         (dict(min_p=1.0), {order[0]}),
     ):
         params = [SamplingParams(temperature=5.0, **kwargs)] * n
-        tokens = set(np.asarray(run(batch, params, seeds=list(range(n))).token_ids).tolist())
+        out = run(batch, params, seeds=list(range(n)), sampler=draw_with)
+        tokens = set(np.asarray(out.token_ids).tolist())
         assert tokens <= allowed and tokens, (kwargs, tokens)
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+def test_top_p_keeps_the_smallest_set_reaching_p(draw_with):
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)], np.float32))
     n = 600
     params = [SamplingParams(temperature=1.0, top_p=0.7)] * n
-    tokens = np.asarray(run(np.tile(logits, (n, 1)), params, seeds=list(range(n))).token_ids)
+    out = run(np.tile(logits, (n, 1)), params, seeds=list(range(n)), sampler=draw_with)
+    tokens = np.asarray(out.token_ids)
     assert set(tokens.tolist()) == {0, 1}
 
 
@@ -208,9 +229,30 @@ def _truncate_by_sorting(logits: np.ndarray, top_k: int, top_p: float, min_p: fl
     return set(kept.tolist())
 
 
-def test_truncation_without_a_sort_matches_sorting():
-    """The bisection thresholds keep exactly the tokens a sort-based top-k/top-p/min-p keeps
-    (random continuous logits, so no ties)."""
+def _kept_by_the_cpu_kernel(logits: np.ndarray, meta) -> np.ndarray:
+    """The C++ sampler's kept tokens: those at or above its threshold (scaled logits)."""
+    from kernels_pallas import cpu_kernels, cpu_sampling
+
+    assert cpu_kernels.available()
+    rows = logits.shape[0]
+    tokens, thresholds = cpu_sampling.random_sample(
+        jnp.asarray(logits),
+        meta.temperature,
+        meta.top_k,
+        meta.top_p,
+        meta.min_p,
+        jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (rows, 2), dtype=np.uint64)),
+    )
+    scaled = logits / np.asarray(meta.temperature)[:, None]
+    kept = np.isfinite(logits) & (scaled >= np.asarray(thresholds)[:, None])
+    assert kept[np.arange(rows), np.asarray(tokens)].all()  # each draw is a kept token
+    return kept
+
+
+@pytest.mark.parametrize("implementation", ["xla_bisection", "cpu_kernel"])
+def test_truncation_without_a_sort_matches_sorting(implementation):
+    """The bisection thresholds (XLA) and the C++ sampler's keep exactly the tokens a sort-based
+    top-k/top-p/min-p keeps (random continuous logits, so no ties)."""
     rng = np.random.default_rng(7)
     rows, vocab = 16, 500
     for trial in range(6):
@@ -226,18 +268,21 @@ def test_truncation_without_a_sort_matches_sorting():
             for _ in range(rows)
         ]
         meta = build_sampling_metadata(params, [[]] * rows, [0] * rows, [0] * rows)
-        kept = np.isfinite(np.asarray(truncate(jnp.asarray(logits), meta)))
+        if implementation == "cpu_kernel":
+            kept = _kept_by_the_cpu_kernel(logits, meta)
+        else:
+            kept = np.isfinite(np.asarray(truncate(jnp.asarray(logits), meta)))
         for i, p in enumerate(params):
             want = _truncate_by_sorting(logits[i].astype(np.float64), p.top_k, p.top_p, p.min_p)
             assert set(np.flatnonzero(kept[i]).tolist()) == want, (trial, i, p)
 
 
 def test_top_k_keeps_every_token_tied_at_the_threshold():
-    logits = jnp.asarray([[3.0, 2.0, 2.0, 2.0, 1.0]])
+    logits = np.asarray([[3.0, 2.0, 2.0, 2.0, 1.0]], np.float32)
     meta = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=2)], [[]], [0], [0])
-    assert np.isfinite(np.asarray(truncate(logits, meta))).tolist() == [
-        [True, True, True, True, False]
-    ]
+    tied = [[True, True, True, True, False]]
+    assert np.isfinite(np.asarray(truncate(jnp.asarray(logits), meta))).tolist() == tied
+    assert _kept_by_the_cpu_kernel(logits, meta).tolist() == tied
 
 
 def test_cpu_greedy_kernel_matches_xla():

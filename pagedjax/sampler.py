@@ -2,10 +2,11 @@
 
 Order, as in vLLM: penalties and logit bias on the raw logits, then greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model
-distribution. A draw is argmax(probs / Exp(1) noise), with each row's noise from its own key
-(request seed folded with the number of tokens it has generated), so a seeded request samples
-the same tokens whatever else is in the batch. On the CPU, an all-greedy batch without
-penalties runs the bias, argmax and finite check as one C++ pass (`cpu_sampling.py`).
+distribution. Each row draws from its own key (request seed folded with the number of tokens
+it has generated), so a seeded request samples the same tokens whatever else is in the batch.
+A draw is argmax(probs / Exp(1) noise) in XLA; on the CPU, C++ passes (`cpu_sampling.py`) do
+the truncation and one inverse-CDF draw from 53 bits of the key (the same distribution, other
+tokens for a seed than a GPU's), the greedy argmax with bias and finite check, and logprobs.
 """
 
 from __future__ import annotations

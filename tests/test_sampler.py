@@ -277,6 +277,32 @@ def test_truncation_without_a_sort_matches_sorting(implementation):
             assert set(np.flatnonzero(kept[i]).tolist()) == want, (trial, i, p)
 
 
+def test_cpu_sampling_kernel_survives_rows_without_finite_logits():
+    """NaN and inf rows (finished with an error by the engine) still give in-range tokens, and
+    a NaN does not break top-k's selection."""
+    from kernels_pallas import cpu_kernels, cpu_sampling
+
+    assert cpu_kernels.available()
+    logits = np.random.default_rng(8).normal(size=(5, 1003)).astype(np.float32)
+    logits[0, ::3] = np.nan
+    logits[1, :] = np.nan
+    logits[2, 5] = np.inf
+    logits[3, :] = -np.inf
+    bits = np.random.default_rng(9).integers(0, 2**32, (5, 2), dtype=np.uint64)
+    for top_k, top_p, min_p in ((5, 1.0, 0.0), (0, 0.9, 0.0), (50, 0.5, 0.05)):
+        tokens, _ = cpu_sampling.random_sample(
+            jnp.asarray(logits),
+            jnp.ones(5, jnp.float32),
+            jnp.full(5, top_k, jnp.int32),
+            jnp.full(5, top_p, jnp.float32),
+            jnp.full(5, min_p, jnp.float32),
+            jnp.asarray(bits),
+        )
+        tokens = np.asarray(tokens)
+        assert ((tokens >= 0) & (tokens < 1003)).all()
+        assert np.isfinite(logits[0, tokens[0]])  # the NaNs are never drawn
+
+
 def test_top_k_keeps_every_token_tied_at_the_threshold():
     logits = np.asarray([[3.0, 2.0, 2.0, 2.0, 1.0]], np.float32)
     meta = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=2)], [[]], [0], [0])

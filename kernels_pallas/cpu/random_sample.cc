@@ -98,6 +98,7 @@ int32_t SampleRow(const float* logits, int64_t vocab, float temperature, int32_t
   float threshold = -INFINITY;
   if (top_k > 0 && top_k < vocab) {
     sorted.assign(scaled.begin(), scaled.end());
+    for (float& v : sorted) v = std::isnan(v) ? -INFINITY : v;  // NaN breaks nth_element's order
     std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(),
                      std::greater<float>());
     threshold = sorted[top_k - 1];

@@ -17,56 +17,14 @@
 #include <vector>
 
 #include "parallel.h"
+#include "row_math.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-struct Best {
-  float value;
-  int64_t index;
-};
-
-// The first index of the row's largest value (NaNs never win); *finite: no NaN or inf.
-Best ArgMax(const float* x, int64_t n, bool* finite) {
-  Best best{-INFINITY, 0};
-  int64_t i = 0;
-#ifdef PAGEDJAX_AVX2
-  if (n >= 8) {
-    // Per lane: the largest value and the first index holding it; x * 0 sums to NaN if any x
-    // is NaN or inf.
-    __m256 max = _mm256_loadu_ps(x), nan_if_not_finite = _mm256_mul_ps(max, _mm256_setzero_ps());
-    __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i eight = _mm256_set1_epi32(8);
-    __m256i at = index;
-    for (i = 8; i + 8 <= n; i += 8) {
-      at = _mm256_add_epi32(at, eight);
-      const __m256 v = _mm256_loadu_ps(x + i);
-      nan_if_not_finite = _mm256_fmadd_ps(v, _mm256_setzero_ps(), nan_if_not_finite);
-      const __m256 greater = _mm256_cmp_ps(v, max, _CMP_GT_OQ);
-      max = _mm256_blendv_ps(max, v, greater);
-      index = _mm256_castps_si256(_mm256_blendv_ps(
-          _mm256_castsi256_ps(index), _mm256_castsi256_ps(at), greater));
-    }
-    alignas(32) float values[8], checks[8];
-    alignas(32) int32_t indices[8];
-    _mm256_store_ps(values, max);
-    _mm256_store_ps(checks, nan_if_not_finite);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), index);
-    best = {values[0], indices[0]};
-    for (int lane = 0; lane < 8; ++lane) {
-      *finite = *finite && checks[lane] == 0.f;
-      if (values[lane] > best.value || (values[lane] == best.value && indices[lane] < best.index))
-        best = {values[lane], indices[lane]};
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    *finite = *finite && std::isfinite(x[i]);
-    if (x[i] > best.value) best = {x[i], i};
-  }
-  return best;
-}
+using pagedjax::ArgMax;
+using pagedjax::Best;
 
 ffi::Error GreedySampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
                             ffi::Buffer<ffi::S32> bias_ids, ffi::Buffer<ffi::F32> bias_values,

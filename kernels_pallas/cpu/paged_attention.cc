@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "exp.h"
 #include "parallel.h"
+#include "row_math.h"
 
 namespace ffi = xla::ffi;
 

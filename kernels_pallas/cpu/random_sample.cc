@@ -18,22 +18,20 @@
 #include <utility>
 #include <vector>
 
-#include "exp.h"
 #include "parallel.h"
+#include "row_math.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#ifdef PAGEDJAX_AVX2
-using pagedjax::Exp;
-#endif
+using pagedjax::ArgMax;
+using pagedjax::ExpSum;
 
-int64_t ArgMax(const float* x, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+// The row's first largest value's index (NaNs never win).
+int32_t FirstMax(const float* x, int64_t n) {
+  bool finite = true;
+  return int32_t(ArgMax(x, n, &finite).index);
 }
 
 // The largest threshold t (one of the values) such that the values >= t hold mass >= target;
@@ -51,50 +49,19 @@ float ThresholdReaching(std::vector<std::pair<float, double>>& candidates, doubl
   return candidates.empty() ? -INFINITY : candidates.back().first;
 }
 
-// weight = e^(x - max) where x >= threshold, else 0 (and 0 at -inf: banned tokens); returns
-// the sum. With max the row's largest x, the top token weighs 1.
-double Weigh(const float* x, int64_t n, float max, float threshold, float* weight) {
-  double total = 0;
-  int64_t i = 0;
-#ifdef PAGEDJAX_AVX2
-  const __m256 shift = _mm256_set1_ps(max), lowest = _mm256_set1_ps(threshold);
-  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lowest, _CMP_GE_OQ),
-                                      _mm256_cmp_ps(v, minus_inf, _CMP_NEQ_OQ));
-    const __m256 w = _mm256_and_ps(Exp(_mm256_sub_ps(v, shift)), keep);
-    _mm256_storeu_ps(weight + i, w);
-    low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
-    high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(low, high));
-  total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-#endif
-  for (; i < n; ++i) {
-    weight[i] = x[i] >= threshold && x[i] > -INFINITY ? std::exp(x[i] - max) : 0.f;
-    total += weight[i];
-  }
-  return total;
-}
-
 int32_t SampleRow(const float* logits, int64_t vocab, float temperature, int32_t top_k,
                   float top_p, float min_p, const uint32_t* bits, float* threshold_out) {
   if (!(temperature > 0)) {
     *threshold_out = INFINITY;
-    return int32_t(ArgMax(logits, vocab));
+    return FirstMax(logits, vocab);
   }
   thread_local std::vector<float> scaled, sorted, weight;
   thread_local std::vector<std::pair<float, double>> candidates;
   scaled.resize(vocab);
   weight.resize(vocab);
-  float max = -INFINITY;
-  for (int64_t i = 0; i < vocab; ++i) {
-    scaled[i] = logits[i] / temperature;
-    max = std::max(max, scaled[i]);
-  }
+  for (int64_t i = 0; i < vocab; ++i) scaled[i] = logits[i] / temperature;
+  bool finite = true;
+  const float max = ArgMax(scaled.data(), vocab, &finite).value;
   float threshold = -INFINITY;
   if (top_k > 0 && top_k < vocab) {
     sorted.assign(scaled.begin(), scaled.end());
@@ -103,7 +70,7 @@ int32_t SampleRow(const float* logits, int64_t vocab, float temperature, int32_t
                      std::greater<float>());
     threshold = sorted[top_k - 1];
   }
-  const double total = Weigh(scaled.data(), vocab, max, threshold, weight.data());
+  const double total = ExpSum(scaled.data(), vocab, max, threshold, weight.data());
   if (top_p < 1.f) {
     // Only values whose probability is at least `floor` can be the threshold, once the values
     // at or above floor reach p; lower it until they do.
@@ -143,7 +110,7 @@ int32_t SampleRow(const float* logits, int64_t vocab, float temperature, int32_t
     last = i;
     if (cumulative > u) return int32_t(i);
   }
-  return int32_t(last >= 0 ? last : ArgMax(logits, vocab));  // rounding at the very end
+  return last >= 0 ? int32_t(last) : FirstMax(logits, vocab);  // rounding at the very end
 }
 
 ffi::Error RandomSampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,

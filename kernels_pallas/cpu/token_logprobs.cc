@@ -14,55 +14,15 @@
 #include <cmath>
 #include <cstdint>
 
-#include "exp.h"
 #include "parallel.h"
+#include "row_math.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#ifdef PAGEDJAX_AVX2
-using pagedjax::Exp;
-
-float HorizontalMax(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  return *std::max_element(lanes, lanes + 8);
-}
-#endif
-
-float RowMax(const float* x, int64_t n) {
-  float best = -INFINITY;
-  int64_t i = 0;
-#ifdef PAGEDJAX_AVX2
-  __m256 max = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(x + i));
-  best = HorizontalMax(max);
-#endif
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  return best;
-}
-
-// log(sum(e^(x - max))).
-float LogSumExpShifted(const float* x, int64_t n, float max) {
-  double sum = 0;
-  int64_t i = 0;
-#ifdef PAGEDJAX_AVX2
-  // Summed in double: 49k float32 terms in 8 lanes would lose about 1e-5 of the sum.
-  const __m256 shift = _mm256_set1_ps(max);
-  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
-    low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(low, high));
-  sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-#endif
-  for (; i < n; ++i) sum += std::exp(x[i] - max);
-  return float(std::log(sum));
-}
+using pagedjax::ArgMax;
+using pagedjax::ExpSum;
 
 int32_t CountGreater(const float* x, int64_t n, float value) {
   int64_t count = 0, i = 0;
@@ -129,8 +89,9 @@ ffi::Error TokenLogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   float* out_top_logprobs = top_logprobs->typed_data();
   pagedjax::ParallelFor(pool, rows, [&](int64_t r) {
     const float* row = x + r * vocab;
-    const float max = RowMax(row, vocab);
-    const float log_sum = LogSumExpShifted(row, vocab, max);
+    bool finite = true;
+    const float max = ArgMax(row, vocab, &finite).value;
+    const float log_sum = float(std::log(ExpSum(row, vocab, max, -INFINITY, nullptr)));
     const float chosen = token[r] >= 0 && token[r] < vocab ? row[token[r]] : NAN;
     out_logprobs[r] = (chosen - max) - log_sum;
     out_ranks[r] = 1 + CountGreater(row, vocab, chosen);

@@ -335,14 +335,15 @@ class LLMEngine:
                 seq.all_token_ids[start : start + num_new], start, self.kv.get_block_ids(seq)
             )
             seqs.append(scheduled)
-            group = self._groups[self._group_id(seq)]
-            if seq.skip_prefix_cache:  # set only while prompt logprobs are missing
+            if seq.skip_prefix_cache:  # set only while the parent's prompt logprobs are missing
+                group = self._groups[seq.request_id]
                 self._ask_prompt_logprobs(group, scheduled)
                 if scheduled.prompt_logprob_targets:
                     prompt_logprobs_asked.append((group, len(scheduled.prompt_logprob_targets)))
             if start + num_new < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample
             targets = [seq]
+            group = self._groups[self._group_id(seq)]
             if seq.sample_index == 0 and seq.num_output_tokens == 0 and len(group.seqs) == 1:
                 # n > 1: the children sample their first token from the parent's last logits,
                 # then share its blocks (copy-on-write), instead of n prefills.

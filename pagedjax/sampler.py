@@ -74,7 +74,9 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> T
 def _token_logprobs_xla(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
     raw = jax.nn.log_softmax(logits, axis=-1)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
-    ranks = 1 + jnp.sum(raw > logprobs, axis=-1, dtype=jnp.int32)
+    # Counted on the logits: the log-softmax is a shift of the row, whose rounding makes ties.
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
     return TokenLogprobs(logprobs[:, 0], ranks, top_ids.astype(jnp.int32), top_logprobs)
 
@@ -197,13 +199,42 @@ def sample(
     the [S, V] sort, scatters and noise, and a batch that asks for no logprobs (None, as
     SamplingParams.logprobs) skip the log-softmax, the costliest [S, V] pass left on the CPU.
     num_logprobs 0 returns the sampled tokens' logprobs only."""
-    if all_greedy and not use_penalties and cpu_sampling.supports(logits):
-        tokens, finite = cpu_sampling.greedy_sample(logits, meta.bias_token_ids, meta.bias_values)
+    if cpu_sampling.supports(logits):
+        tokens, finite = _sample_cpu(logits, meta, use_penalties, all_greedy)
     else:
         tokens, finite = _sample_xla(logits, meta, use_penalties, use_truncation, all_greedy)
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
     return SamplerOutput(tokens, finite, token_logprobs(logits, tokens, num_logprobs))
+
+
+def _adjusted(
+    logits: jax.Array, meta: SamplingMetadata, use_penalties: bool
+) -> tuple[jax.Array, jax.Array]:
+    """(the logits after penalties and logit bias, whether each raw row is finite)."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if use_penalties:
+        logits = apply_penalties(logits, meta)
+    return apply_logit_bias(logits, meta), finite
+
+
+def _sample_cpu(
+    logits: jax.Array, meta: SamplingMetadata, use_penalties: bool, all_greedy: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The C++ passes: greedy (bias, argmax and finite check in one), or temperature,
+    truncation and one inverse-CDF draw from 53 random bits per row (the same distribution as
+    XLA's noise argmax; XLA:CPU took 0.4-0.7 s for 256 rows of a 49k vocabulary). Rows
+    without truncation carry no-op values (top_k 0, top_p 1, min_p 0)."""
+    if all_greedy and not use_penalties:
+        return cpu_sampling.greedy_sample(logits, meta.bias_token_ids, meta.bias_values)
+    logits, finite = _adjusted(logits, meta, use_penalties)
+    bits = jax.vmap(lambda seed, step: jax.random.bits(_row_key(seed, step), (2,)))(
+        meta.seeds, meta.steps
+    )
+    tokens, _ = cpu_sampling.random_sample(
+        logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, bits
+    )
+    return tokens, finite
 
 
 def _sample_xla(
@@ -213,10 +244,7 @@ def _sample_xla(
     use_truncation: bool,
     all_greedy: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    if use_penalties:
-        logits = apply_penalties(logits, meta)
-    logits = apply_logit_bias(logits, meta)
+    logits, finite = _adjusted(logits, meta, use_penalties)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     if all_greedy:
@@ -227,22 +255,6 @@ def _sample_xla(
 def _draw_rows(
     logits: jax.Array, greedy_tokens: jax.Array, meta: SamplingMetadata, use_truncation: bool
 ) -> jax.Array:
-    if cpu_sampling.supports(logits):
-        # The same distribution, drawn by inverse CDF from 53 random bits per row instead of a
-        # noise value per token (XLA:CPU: 0.4-0.7 s for 256 rows of a 49k vocabulary).
-        bits = jax.vmap(lambda seed, step: jax.random.bits(_row_key(seed, step), (2,)))(
-            meta.seeds, meta.steps
-        )
-        rows = logits.shape[0]
-        tokens, _ = cpu_sampling.random_sample(
-            logits,
-            meta.temperature,
-            meta.top_k if use_truncation else jnp.zeros(rows, jnp.int32),
-            meta.top_p if use_truncation else jnp.ones(rows, jnp.float32),
-            meta.min_p if use_truncation else jnp.zeros(rows, jnp.float32),
-            bits,
-        )
-        return tokens
     greedy = meta.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
     if use_truncation:

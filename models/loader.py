@@ -9,6 +9,7 @@ fuses into the layout documented in models/llama.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -271,8 +272,19 @@ def _fused_blocks(
     return blocks
 
 
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' import-time "PyTorch was not found" advice: pagedjax needs no
+    PyTorch, and a user would read the line as a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
+
+
 def load_tokenizer(model: str | os.PathLike | None = None):
     """The model's transformers tokenizer (with its chat template)."""
+    transformers_logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in transformers_logger.filters):
+        transformers_logger.addFilter(_NoTorchAdvice())  # before transformers is imported
     files = resolve_model_path(model)
     if files.is_gguf:
         from models.gguf_loader import gguf_tokenizer

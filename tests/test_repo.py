@@ -1,7 +1,8 @@
-"""Repository hygiene: CI runs the README's test command, and the code is ruff-clean."""
+"""Repository hygiene: CI runs the README's Quickstart commands, and the code is ruff-clean."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,9 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ci_runs_the_readme_test_command():
-    ci_command = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
-    assert ci_command in (ROOT / "README.md").read_text()
+def test_ci_runs_both_readme_quickstart_commands_verbatim():
+    ci = (ROOT / ".ci/run").read_text()
+    commands = dict(re.findall(r"^(FIRST|TEST)='(.+)'$", ci, re.MULTILINE))
+    assert set(commands) == {"FIRST", "TEST"}
+    assert 'eval "$FIRST"' in ci and 'eval "$TEST"' in ci
+    readme_lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+    for command in commands.values():
+        assert command in readme_lines, f"README.md has no line {command!r}"
+    # The first command is the first one a reader meets, the test command the second.
+    code_lines = [line for line in readme_lines if line.startswith("pip install")]
+    assert code_lines[:2] == [commands["FIRST"], commands["TEST"]]
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is part of the test extras")

@@ -28,6 +28,11 @@ class AttentionMetadata:
     num_tokens: jax.Array  # [] int32, real tokens (the rest are padding)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the bucket of a padded dimension."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def build_metadata(
     q_lens: list[int],
     seq_lens: list[int],

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
 
-# Finite, so a row with no visible key (a padding token) stays finite instead of NaN.
-_MASKED = -1e30
+# The score of a masked key in every attention implementation. Finite, so a row with no
+# visible key (a padding token) stays finite instead of NaN, and exp(m_prev - m_new) in an
+# online softmax never sees inf - inf.
+MASK_VALUE = -1e30
 
 
 def token_sequence_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
@@ -69,7 +71,7 @@ def ragged_paged_attention(
     if sliding_window is not None:
         window = jnp.asarray(sliding_window)
         visible &= (window <= 0) | (key_pos > q_pos[:, None] - window)
-    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
 
     probs = jax.nn.softmax(scores, axis=-1).reshape(num_tokens, num_kv_heads, group, -1, block_size)
     out = jnp.einsum("tkgbc,tbkcd->tkgd", probs, v)

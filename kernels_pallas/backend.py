@@ -1,0 +1,58 @@
+"""The attention backend contract: what the model calls, and what the runner must know of it.
+
+A backend computes causal ragged paged attention for a step's flat batch of new tokens over
+the pool laid out by `kv_cache` (K and V each [L, Hkv, num_blocks, block_size, D], pages
+reached through `AttentionMetadata.block_tables`), with the result of
+`reference.ragged_paged_attention`, the oracle. Backends are frozen dataclasses (hashable: the
+jitted step takes one as a static argument); the engine's are registered in
+`pagedjax/attention.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import jax
+
+from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend is asked to run: the model's heads and the pool's dtype and pages."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str  # a jnp dtype name: "float32", "bfloat16", "float8_e4m3fn", ...
+    block_size: int
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """One attention implementation, as the model and the model runner see it."""
+
+    name: str
+    # True when the cost follows each sequence's real context, whatever the block-table
+    # width: the runner then gives it one width (max_model_len's) and buckets only tokens.
+    # False: the runner buckets the width to the step's longest context (powers of two).
+    cost_follows_context: bool
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        """None if this backend runs `spec` on this machine, else the reason it cannot."""
+        ...
+
+    def __call__(
+        self,
+        q: jax.Array,  # [T, Hq, D]
+        cache: KVCache,
+        layer: jax.Array | int,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: jax.Array | int | None = None,  # 0 or None: unlimited
+        soft_cap: float | None = None,
+    ) -> jax.Array:  # [T, Hq, D] in q's dtype; rows of padding tokens stay finite
+        ...

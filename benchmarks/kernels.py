@@ -19,7 +19,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,7 +35,7 @@ from kernels_pallas.decode_attention import (  # noqa: E402
     device_sm_count,
 )
 from kernels_pallas.kv_cache import KVCache  # noqa: E402
-from kernels_pallas.metadata import build_metadata  # noqa: E402
+from kernels_pallas.metadata import AttentionMetadata, build_metadata  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention  # noqa: E402
 from kernels_pallas.ragged_paged_attention import RaggedConfig  # noqa: E402
 from kernels_pallas.reference import ragged_paged_attention  # noqa: E402
@@ -58,7 +60,7 @@ TUNING_VARIANTS = {
 REFERENCE_GATHER_LIMIT = 24 << 30
 
 
-def timed(fn, *args, iters: int, repeats: int = 5) -> float:
+def timed(fn: Callable[..., Any], *args: Any, iters: int, repeats: int = 5) -> float:
     """Median seconds per call: `iters` back-to-back calls per repeat, synchronised once."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     per_call = []
@@ -78,7 +80,9 @@ def copy_bandwidth(iters: int, elements: int = 1 << 30) -> float:
     return 2 * x.nbytes / seconds
 
 
-def make_step(seqs, kv_dtype, seed=0):
+def make_step(
+    seqs: list[tuple[int, int]], kv_dtype: jnp.dtype | type, seed: int = 0
+) -> tuple[jax.Array, KVCache, AttentionMetadata, int]:
     """A pool with exactly the step's pages (+ the null block), shuffled, in NUM_LAYERS layers."""
     rng = np.random.default_rng(seed)
     pages = [-(-ctx // BLOCK_SIZE) for _, ctx in seqs]
@@ -101,7 +105,9 @@ def make_step(seqs, kv_dtype, seed=0):
     return q, KVCache(k, v), metadata, kv_bytes
 
 
-def bundled_peer(q, cache, metadata):
+def bundled_peer(
+    q: jax.Array, cache: KVCache, metadata: AttentionMetadata
+) -> tuple[Callable[..., jax.Array], tuple[jax.Array, ...]]:
     """JAX's jax.experimental.pallas.ops.gpu.paged_attention on its own layout: one layer's
     [Hkv, pages, page, D] pool (made outside the timing), tables padded to its k_splits."""
     from jax.experimental.pallas.ops.gpu import paged_attention as peer
@@ -116,7 +122,16 @@ def bundled_peer(q, cache, metadata):
     return fn, (q, k_pages, v_pages, tables, lengths)
 
 
-def run_case(name, seqs, kv_dtype, *, decode, iters, copy_bw, with_peers) -> dict:
+def run_case(
+    name: str,
+    seqs: list[tuple[int, int]],
+    kv_dtype: jnp.dtype | type,
+    *,
+    decode: bool,
+    iters: int,
+    copy_bw: float,
+    with_peers: bool,
+) -> dict:
     q, cache, metadata, kv_bytes = make_step(seqs, kv_dtype)
     scale = HEAD_DIM**-0.5
     result = {
@@ -176,7 +191,9 @@ def run_case(name, seqs, kv_dtype, *, decode, iters, copy_bw, with_peers) -> dic
     return result
 
 
-def measure(fn, args, kv_bytes, iters, copy_bw) -> dict:
+def measure(
+    fn: Callable[..., jax.Array], args: tuple, kv_bytes: int, iters: int, copy_bw: float
+) -> dict:
     try:
         seconds = timed(fn, *args, iters=iters)
     except Exception as error:
@@ -190,7 +207,12 @@ def measure(fn, args, kv_bytes, iters, copy_bw) -> dict:
     }
 
 
-def max_error(candidates, q, cache, metadata) -> dict:
+def max_error(
+    candidates: dict[str, Callable[..., jax.Array]],
+    q: jax.Array,
+    cache: KVCache,
+    metadata: AttentionMetadata,
+) -> dict:
     want = np.asarray(candidates["xla_reference"](q, cache, metadata).astype(jnp.float32))
     errors = {}
     for label in candidates:

@@ -1,6 +1,6 @@
 """What the GPU gets from the Pallas kernels, measured without one: each kernel lowered for CUDA
 and compiled to a cubin by the `triton` package for sm_90 (H100/H200) and sm_80 (A100), at the
-shapes the engine and `benchmarks/kernels.py` run (see kernels_pallas/triton_compile.py).
+shapes the engine and `benchmarks/kernels.py` run (see benchmarks/triton_compile.py).
 
     python benchmarks/triton_resources.py [--out benchmarks/results]
 
@@ -23,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
 from kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
+from triton_compile import compile_kernel  # noqa: E402
 
-from kernels_pallas.triton_compile import compile_kernel  # noqa: E402
+from kernels_pallas.decode_attention import DecodeConfig  # noqa: E402
+from kernels_pallas.ragged_paged_attention import RaggedConfig  # noqa: E402
 
 # (label, head_dim, GQA group, KV dtype): the default model, the kernel benchmark's
 # Llama-3-8B-like heads, and head_dim 256.
@@ -39,7 +41,15 @@ SHAPES = [
 ]
 
 
-def compile_row(label, head_dim, group, kv_dtype, kernel, capability, config=None) -> dict:
+def compile_row(
+    label: str,
+    head_dim: int,
+    group: int,
+    kv_dtype: jnp.dtype | type,
+    kernel: str,
+    capability: int,
+    config: RaggedConfig | DecodeConfig | None = None,
+) -> dict:
     start = time.perf_counter()
     compiled = compile_kernel(
         kernel,

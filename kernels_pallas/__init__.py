@@ -1,32 +1,21 @@
-"""Paged KV cache, attention metadata, the jnp reference attention and the Pallas kernels.
+"""Paged attention for JAX: the KV pool, a step's metadata, and the attention over them.
 
-The Pallas exports are resolved lazily, so importing `kernels_pallas.kv_cache` (the engine does
-on every start) does not import Pallas. The Pallas entry point is exported as
-`pallas_paged_attention`: the name `kernels_pallas.paged_attention` is its submodule (import
-the function as `from kernels_pallas.paged_attention import paged_attention`).
+- `kv_cache.py`: the pool's layout (K and V each [L, Hkv, num_blocks, block_size, D]), the
+  write of a step's new K/V into it, block copies.
+- `metadata.py`: `AttentionMetadata`, the step's flat ragged batch of new tokens mapped onto
+  the pool's pages; `next_power_of_2`, the bucket of a padded dimension.
+- `backend.py`: the contract, `AttentionBackend` and `AttentionSpec`.
+- `reference.py`: the pure-jnp oracle every implementation must match; `MASK_VALUE`.
+- `xla_attention.py`: the same attention as XLA loops, for hosts without the Pallas kernels.
+- `pallas_common.py`: what the two Pallas kernels share (tile loop, online softmax, fp8
+  upcast, scales, launch).
+- `ragged_paged_attention.py`: the Pallas kernel for any mix of prefill chunks and decode
+  tokens.
+- `decode_attention.py`: the split-K Pallas kernel for decode-only batches.
+- `paged_attention.py`: the Pallas entry point `paged_attention`, which picks a kernel, and
+  `PALLAS`, the same as an `AttentionBackend`.
+
+The CPU-native C++ kernels are not part of this package: they live in `pagedjax/cpu_native/`.
+Import from the submodules; importing the package imports nothing else (the engine imports
+`kv_cache` on every start, without Pallas).
 """
-
-from __future__ import annotations
-
-import importlib
-
-_LAZY_EXPORTS = {
-    "pallas_paged_attention": "kernels_pallas.paged_attention",
-    "check_block_tables": "kernels_pallas.paged_attention",
-    "checkify_metadata": "kernels_pallas.paged_attention",
-    "metadata_is_valid": "kernels_pallas.paged_attention",
-    "RaggedConfig": "kernels_pallas.ragged_paged_attention",
-    "ragged_paged_attention_kernel": "kernels_pallas.ragged_paged_attention",
-    "DecodeConfig": "kernels_pallas.decode_attention",
-    "decode_attention_kernel": "kernels_pallas.decode_attention",
-    "choose_num_splits": "kernels_pallas.decode_attention",
-}
-
-__all__ = sorted(_LAZY_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _LAZY_EXPORTS:
-        module = importlib.import_module(_LAZY_EXPORTS[name])
-        return getattr(module, "paged_attention" if name == "pallas_paged_attention" else name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

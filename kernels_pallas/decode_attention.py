@@ -21,20 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.ragged_paged_attention import (
-    MASK_VALUE,
-    fold_kv_tiles,
-    kv_tile_tokens,
-    layer_scales,
-    load_kv_tile,
-    matmul_dtype,
-    next_power_of_2,
-    online_softmax_step,
-    pad_block_tables,
-    tile_pages,
-)
+from kernels_pallas import pallas_common
+from kernels_pallas.metadata import next_power_of_2
 
 # SMs per device kind, for when the device object does not report core_count.
 _SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "GH200": 132, "A100": 108, "L40S": 142}
@@ -49,7 +38,7 @@ class DecodeConfig:
     """Static tiling of the split-K decode kernel (hashable: a jit static argument)."""
 
     # KT, rounded up to whole pages, power of two, >= 16. None: 64, or 32 for float32 pools,
-    # whose FMA dots hold their operands in registers (64 spills at head_dim 128 on sm_90).
+    # whose FMA dots hold their operands in registers, where 64-token tiles spill.
     kv_tile_tokens: int | None = None
     num_splits: int | None = None  # None: choose_num_splits
     num_warps: int | None = None  # None: 4, or 8 for head_dim 256
@@ -76,9 +65,7 @@ def choose_num_splits(
 ) -> int:
     """Splits per sequence so that programs = S x Hkv x splits fill about two waves of SMs,
     never splitting the longest possible context (max_context = block-table width x page size)
-    into pieces shorter than MIN_TOKENS_PER_SPLIT.
-
-    H200 (132 SMs), Hkv 8: 1 x 32k -> 33, 16 x 4k -> 3, 64 x 2k -> 1, 256 x 1k -> 1."""
+    into pieces shorter than MIN_TOKENS_PER_SPLIT."""
     num_sms = num_sms or device_sm_count()
     base_programs = max(num_seqs * num_kv_heads, 1)
     wanted = -(-2 * num_sms // base_programs)
@@ -99,16 +86,12 @@ def _decode_kernel(
     m_ref,  # [M] float32 partial max
     l_ref,  # [M] float32 partial sum
     *,
-    kv_tile: int,
+    loop: pallas_common.TileLoop,
     num_splits: int,
-    soft_cap: float | None,
     use_window: bool,
-    software_fp8: bool,
-    prefetch_pages: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, head_dim = q_ref.shape
-    block_size = k_ref.shape[2]
+    rows, kv_tile = q_ref.shape[0], loop.kv_tile
     layer = layer_ref[0]
     seq_len = seq_lens_ref[seq]
     query_pos = seq_len - 1
@@ -122,32 +105,17 @@ def _decode_kernel(
     start = tile_lo + split * per_split
     stop = jnp.minimum(start + per_split, tile_hi)
 
-    q = q_ref[...]
-    scale = scales_ref[0, layer, head]
-    tile_iota = lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
-
-    pages_of = functools.partial(
-        tile_pages, block_tables_ref, seq, kv_tile=kv_tile, block_size=block_size
-    )
-
-    def step(tile, pages, softmax_state):
-        key_pos = tile * kv_tile + tile_iota  # [KT]
-        offsets = lax.rem(key_pos, block_size)
-        k = load_kv_tile(k_ref, layer, pages, offsets, q.dtype, software_fp8)
-        v = load_kv_tile(v_ref, layer, pages, offsets, q.dtype, software_fp8)
+    def visible(key_pos):  # [KT] -> [M, KT]: every row is the same query
         key_visible = key_pos < seq_len
         if use_window:
             key_visible &= (window <= 0) | (key_pos > query_pos - window)
-        visible = jnp.broadcast_to(key_visible[None, :], (rows, kv_tile))
-        return online_softmax_step(q, k, v, visible, softmax_state, scale=scale, soft_cap=soft_cap)
+        return jnp.broadcast_to(key_visible[None, :], (rows, kv_tile))
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
     # Zero-trip for padding sequences (seq_len 0) and for splits past a short sequence's tiles.
-    acc, m, denom = fold_kv_tiles(start, stop, step, init, pages_of, prefetch_pages=prefetch_pages)
+    q, scale = q_ref[...], scales_ref[0, layer, head]
+    acc, m, denom = pallas_common.attend_kv_tiles(
+        loop, q, k_ref, v_ref, block_tables_ref, seq, layer, (start, stop), visible, scale
+    )
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = denom
@@ -158,6 +126,7 @@ def merge_splits(
     m: jax.Array,  # [..., splits, M]
     denom: jax.Array,  # [..., splits, M]
 ) -> jax.Array:  # [..., M, D] float32, 0 where no split saw a key
+    """The splits' unnormalised partials of each row merged into its normalised output."""
     m_max = jnp.max(m, axis=-2, keepdims=True)
     weight = jnp.exp(m - m_max)  # empty splits: m = MASK_VALUE, weight 0 (or 1 with l = 0)
     total = jnp.sum(denom * weight, axis=-2)
@@ -165,10 +134,16 @@ def merge_splits(
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "soft_cap", "use_window", "interpret", "software_fp8", "config"),
-)
+def decode_tiling(
+    kv_dtype: jnp.dtype, head_dim: int, block_size: int, config: DecodeConfig
+) -> tuple[int, int]:
+    """(KV tile tokens KT, num_warps): `config` over the defaults."""
+    default_kv_tile = 32 if pallas_common.matmul_dtype(kv_dtype) == jnp.float32 else 64
+    kv_tile = pallas_common.kv_tile_tokens(config.kv_tile_tokens or default_kv_tile, block_size)
+    return kv_tile, config.num_warps or (8 if head_dim >= 256 else 4)
+
+
+@functools.partial(jax.jit, static_argnames=pallas_common.KERNEL_STATIC_ARGS)
 def decode_attention_kernel(
     q: jax.Array,  # [S, Hq, D], one query per sequence
     k_pool: jax.Array,  # [L, Hkv, N, block_size, D]
@@ -187,69 +162,56 @@ def decode_attention_kernel(
     software_fp8: bool = False,  # fp8 pools: upcast with integer ops (GPUs before sm_89)
     config: DecodeConfig = DecodeConfig(),
 ) -> jax.Array:  # [S, Hq, D] in q's dtype; 0 for seq_len 0
+    """Attention of each sequence's one new token (its last position) over its paged context."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_layers, num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    num_layers, num_kv_heads, _, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     rows = max(next_power_of_2(group), 16)
-    matmul = matmul_dtype(k_pool.dtype)
-    kv_tile = kv_tile_tokens(
-        config.kv_tile_tokens or (32 if matmul == jnp.float32 else 64), block_size
-    )
+    kv_tile, num_warps = decode_tiling(k_pool.dtype, head_dim, block_size, config)
     num_splits = config.num_splits or choose_num_splits(
         num_seqs, num_kv_heads, block_tables.shape[1] * block_size
     )
 
+    matmul = pallas_common.matmul_dtype(k_pool.dtype)
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(matmul)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    tables = pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size)
-    scales = layer_scales(scale, k_scale, v_scale, num_layers, num_kv_heads)
-
+    scales = pallas_common.layer_scales(scale, k_scale, v_scale, num_layers, num_kv_heads)
+    metadata = (
+        *pallas_common.int32_scalars(layer, window),
+        scales,
+        seq_lens.astype(jnp.int32),
+        pallas_common.pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
+    )
     kernel = functools.partial(
         _decode_kernel,
-        kv_tile=kv_tile,
+        loop=pallas_common.TileLoop(kv_tile, soft_cap, software_fp8, config.num_stages),
         num_splits=num_splits,
-        soft_cap=soft_cap,
         use_window=use_window,
-        software_fp8=software_fp8,
-        prefetch_pages=config.num_stages >= 3,
-    )
-    whole = pl.no_block_spec
-    head_pool = pl.BlockSpec(
-        (num_layers, None, num_blocks, block_size, head_dim), lambda s, h, p: (0, h, 0, 0, 0)
     )
     partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
-    num_warps = config.num_warps or (8 if head_dim >= 256 else 4)
-    acc, m, denom = pl.pallas_call(
+    partial_stats = pl.BlockSpec((None, None, None, rows), lambda s, h, p: (s, h, p, 0))
+    acc, m, denom = pallas_common.launch(
         kernel,
+        metadata,
+        q_rows,
+        pl.BlockSpec((None, None, rows, head_dim), lambda s, h, p: (s, h, 0, 0)),
+        k_pool,
+        v_pool,
         grid=(num_seqs, num_kv_heads, num_splits),
-        in_specs=[whole] * 5
-        + [
-            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, p: (s, h, 0, 0)),
-            head_pool,
-            head_pool,
-        ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, p: (s, h, p, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, p: (s, h, p, 0)),
+            partial_stats,
+            partial_stats,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
+        num_warps=num_warps,
+        num_stages=config.num_stages,
         interpret=interpret,
         name="decode_attention_split_k",
-    )(
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
-        jnp.reshape(window, (1,)).astype(jnp.int32),
-        scales,
-        seq_lens.astype(jnp.int32),
-        tables,
-        q_rows,
-        k_pool,
-        v_pool,
     )
     out = merge_splits(acc, m, denom)  # [S, Hkv, M, D]
     v_scales = scales[1][layer]  # [Hkv]

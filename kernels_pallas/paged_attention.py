@@ -13,21 +13,23 @@ the signature `models.llama` calls `attention_fn` with, so the engine swaps it i
 Both kernels are Pallas on the Triton lowering; interpret=None interprets on CPU (the CI path)
 and compiles on GPU. The environment variable PAGEDJAX_PALLAS_INTERPRET=0/1 overrides that.
 
-Out-of-range page ids are not checked inside the kernels (a GPU gather would read foreign
-memory; interpret mode clamps them silently): `check_block_tables` (host) and
-`checkify_metadata` (jittable, with jax.experimental.checkify) catch them.
+`PALLAS` (a `PallasBackend`) is the same function as an `AttentionBackend` (`backend.py`).
+
+The kernels trust the block tables: an out-of-range page id is not checked (a GPU gather would
+read foreign memory; interpret mode clamps it silently). The block manager builds every table
+from pages it handed out, and pads with NULL_BLOCK, so the tables are valid by construction.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.experimental import checkify
 
+from kernels_pallas.backend import AttentionSpec
 from kernels_pallas.decode_attention import (
     DecodeConfig,
     choose_num_splits,
@@ -36,6 +38,7 @@ from kernels_pallas.decode_attention import (
 )
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.pallas_common import matmul_dtype
 from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
 
 INTERPRET_ENV = "PAGEDJAX_PALLAS_INTERPRET"
@@ -99,52 +102,21 @@ def paged_attention(
         software_fp8 = not interpret and cache.k.dtype.itemsize == 1 and gpu_lacks_fp8_conversions()
     if k_scale is None and v_scale is None:  # an fp8 pool carries its own scales
         k_scale, v_scale = cache.k_scale, cache.v_scale
-    use_window = sliding_window is not None
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    layer = jnp.asarray(layer, jnp.int32)
-    common = dict(
+    operands = (cache, jnp.asarray(layer, jnp.int32), metadata, window, k_scale, v_scale)
+    static = dict(
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
-        use_window=use_window,
+        use_window=sliding_window is not None,
         interpret=interpret,
         software_fp8=software_fp8,
     )
 
     def ragged(q):
-        return ragged_paged_attention_kernel(
-            q,
-            cache.k,
-            cache.v,
-            layer,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            metadata.block_tables,
-            window,
-            k_scale,
-            v_scale,
-            config=ragged_config,
-            **common,
-        )
+        return _ragged(q, *operands, config=ragged_config, **static)
 
     def decode(q):
-        qsl = metadata.query_start_loc
-        has_query = qsl[1:] > qsl[:-1]  # [S]
-        token = jnp.clip(qsl[:-1], 0, num_tokens - 1)
-        out = decode_attention_kernel(
-            q[token],
-            cache.k,
-            cache.v,
-            layer,
-            jnp.where(has_query, metadata.seq_lens, 0),
-            metadata.block_tables,
-            window,
-            k_scale,
-            v_scale,
-            config=decode_config,
-            **common,
-        )
-        target = jnp.where(has_query, token, num_tokens)  # padding sequences write nothing
-        return jnp.zeros_like(q).at[target].set(out, mode="drop")
+        return _decode(q, *operands, config=decode_config, **static)
 
     if decode_only is True:
         return decode(q)
@@ -154,93 +126,100 @@ def paged_attention(
     return lax.cond(jnp.all(qsl[1:] - qsl[:-1] <= 1), decode, ragged, q)
 
 
-def _metadata_problems(
-    block_tables: np.ndarray,
-    seq_lens: np.ndarray,
-    query_start_loc: np.ndarray,
-    num_seqs: int,
-    num_tokens_padded: int,
-    num_blocks: int,
-    block_size: int,
-) -> list[str]:
-    problems = []
-    width = block_tables.shape[1]
-    q_lens = np.diff(query_start_loc)
-    if np.any(q_lens < 0) or query_start_loc[0] != 0:
-        problems.append("query_start_loc must start at 0 and be non-decreasing")
-    if query_start_loc[-1] > num_tokens_padded:
-        problems.append(f"query_start_loc ends at {query_start_loc[-1]} > {num_tokens_padded}")
-    for s in range(num_seqs):
-        if q_lens[s] > seq_lens[s]:
-            problems.append(f"sequence {s}: q_len {q_lens[s]} > seq_len {seq_lens[s]}")
-        if seq_lens[s] > width * block_size:
-            problems.append(f"sequence {s}: seq_len {seq_lens[s]} exceeds the table width")
-        bad = np.flatnonzero((block_tables[s] < 0) | (block_tables[s] >= num_blocks))
-        if bad.size:
-            col = int(bad[0])
-            problems.append(
-                f"sequence {s}: block_tables[{s}, {col}] = {int(block_tables[s, col])} is not "
-                f"a page of a {num_blocks}-block pool"
-            )
-    return problems
-
-
-def check_block_tables(metadata: AttentionMetadata, num_blocks: int, block_size: int) -> None:
-    """Host-side check of what the kernels trust: every page id of a real sequence's table row
-    is in [0, num_blocks), each context fits its table, query_start_loc is consistent.
-
-    Raises ValueError naming the first problems. Needs concrete (non-traced) metadata."""
-    num_seqs = int(np.asarray(metadata.num_seqs))
-    problems = _metadata_problems(
-        np.asarray(metadata.block_tables),
-        np.asarray(metadata.seq_lens),
-        np.asarray(metadata.query_start_loc),
-        num_seqs,
-        int(np.asarray(metadata.slot_mapping).shape[0]),
-        num_blocks,
-        block_size,
-    )
-    if problems:
-        raise ValueError("invalid attention metadata: " + "; ".join(problems[:5]))
-
-
-def metadata_is_valid(
-    metadata: AttentionMetadata, num_blocks: int, block_size: int
-) -> jax.Array:  # [] bool
-    """Jittable form of `check_block_tables`: True iff the kernels may trust the metadata."""
-    tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
-    real = jnp.arange(seq_lens.shape[0]) < metadata.num_seqs  # [S]
-    q_lens = qsl[1:] - qsl[:-1]
-    pages_ok = jnp.all((tables >= 0) & (tables < num_blocks), axis=1)
-    fits = seq_lens <= tables.shape[1] * block_size
-    rows_ok = ~real | (pages_ok & fits & (q_lens <= seq_lens))
-    return (
-        jnp.all(rows_ok)
-        & jnp.all(q_lens >= 0)
-        & (qsl[0] == 0)
-        & (qsl[-1] <= metadata.slot_mapping.shape[0])
+def _ragged(q, cache, layer, metadata, window, k_scale, v_scale, **static):
+    """The ragged kernel on the step's flat batch."""
+    return ragged_paged_attention_kernel(
+        q,
+        cache.k,
+        cache.v,
+        layer,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        window,
+        k_scale,
+        v_scale,
+        **static,
     )
 
 
-def checkify_metadata(metadata: AttentionMetadata, num_blocks: int, block_size: int) -> None:
-    """`checkify.check` of `metadata_is_valid`: inside a function wrapped with
-    `jax.experimental.checkify.checkify`, a bad block table becomes a returned error."""
-    checkify.check(
-        metadata_is_valid(metadata, num_blocks, block_size),
-        "invalid attention metadata: a page id is outside the pool, a context exceeds its "
-        "table, or query_start_loc is inconsistent",
+def _decode(q, cache, layer, metadata, window, k_scale, v_scale, **static):
+    """The split-K kernel on each sequence's one new token, scattered back to the flat batch."""
+    num_tokens = q.shape[0]
+    qsl = metadata.query_start_loc
+    has_query = qsl[1:] > qsl[:-1]  # [S]
+    token = jnp.clip(qsl[:-1], 0, num_tokens - 1)
+    out = decode_attention_kernel(
+        q[token],
+        cache.k,
+        cache.v,
+        layer,
+        jnp.where(has_query, metadata.seq_lens, 0),
+        metadata.block_tables,
+        window,
+        k_scale,
+        v_scale,
+        **static,
     )
+    target = jnp.where(has_query, token, num_tokens)  # padding sequences write nothing
+    return jnp.zeros_like(q).at[target].set(out, mode="drop")
 
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class PallasBackend:
+    """`paged_attention` as an `AttentionBackend`: the Pallas kernels, compiled on a GPU and
+    interpreted elsewhere (correct but slow: for tests)."""
+
+    name: str = field(default="pallas", init=False)
+    # The ragged kernel's grid and the split-K heuristic follow the block-table width.
+    cost_follows_context: bool = field(default=False, init=False)
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        """None if the kernels run `spec`, else why not."""
+        if spec.num_q_heads % spec.num_kv_heads:
+            return f"{spec.num_q_heads} query heads are not a multiple of {spec.num_kv_heads}"
+        if not _is_power_of_2(spec.block_size):
+            return f"block_size {spec.block_size} is not a power of two"
+        # Triton tensors have power-of-two sizes, and its dots at least 16 rows and columns.
+        if not _is_power_of_2(spec.head_dim) or not 16 <= spec.head_dim <= 256:
+            return f"head_dim {spec.head_dim} is not a power of two from 16 to 256"
+        try:
+            matmul_dtype(jnp.dtype(spec.kv_dtype))
+        except (TypeError, ValueError):
+            return f"no Pallas kernel for KV pool dtype {spec.kv_dtype}"
+        return None
+
+    def __call__(
+        self,
+        q: jax.Array,
+        cache: KVCache,
+        layer: jax.Array | int,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: jax.Array | int | None = None,
+        soft_cap: float | None = None,
+    ) -> jax.Array:
+        return paged_attention(
+            q, cache, layer, metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
+
+
+PALLAS = PallasBackend()
 
 __all__ = [
     "INTERPRET_ENV",
+    "PALLAS",
     "DecodeConfig",
+    "PallasBackend",
     "RaggedConfig",
-    "check_block_tables",
-    "checkify_metadata",
     "choose_num_splits",
     "device_sm_count",
-    "metadata_is_valid",
+    "gpu_lacks_fp8_conversions",
     "paged_attention",
     "resolve_interpret",
 ]

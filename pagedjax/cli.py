@@ -102,7 +102,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 def _bench(args: argparse.Namespace) -> int:
     script = BENCHMARKS / f"{args.script}.py"
     if not script.is_file():
-        helpers = {"report", "workloads"}
+        helpers = {"report", "triton_compile", "workloads"}
         available = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in helpers)
         raise SystemExit(
             f"no benchmark {args.script!r} in {BENCHMARKS}; benchmarks run from a source "

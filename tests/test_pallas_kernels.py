@@ -1,5 +1,5 @@
-"""The Pallas attention kernels against the pure-jnp oracle, their CUDA lowering, and the
-block-table check.
+"""The Pallas attention kernels against the pure-jnp oracle, their backend object, and their
+CUDA lowering.
 
 On CPU the kernels run in Pallas interpret mode (slow: pools are tiny). With
 PAGEDJAX_PALLAS_INTERPRET=0 (and JAX_PLATFORMS=cuda) on a GPU the same tests run compiled.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +25,8 @@ from attention_cases import (
     quantize_fp8,
     ragged_case,
 )
-from jax.experimental import checkify
 
+from kernels_pallas.backend import AttentionBackend, AttentionSpec
 from kernels_pallas.decode_attention import (
     DecodeConfig,
     choose_num_splits,
@@ -32,20 +34,23 @@ from kernels_pallas.decode_attention import (
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.paged_attention import (
-    check_block_tables,
-    checkify_metadata,
+    PALLAS,
+    PallasBackend,
     paged_attention,
     resolve_interpret,
 )
-from kernels_pallas.ragged_paged_attention import RaggedConfig, fp8_to_float32
-from kernels_pallas.triton_compile import (
+from kernels_pallas.pallas_common import fp8_to_float32
+from kernels_pallas.ragged_paged_attention import RaggedConfig
+from models.config import ModelConfig
+from models.llama import forward_logits_jit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from triton_compile import (  # noqa: E402  (a developer tool)
     lower_for_cuda,
     triton_call_targets,
     triton_ir_text,
     triton_kernels,
 )
-from models.config import ModelConfig
-from models.llama import forward_logits_jit
 
 INTERPRET = resolve_interpret()
 
@@ -239,7 +244,7 @@ def test_drop_in_for_attention_fn_inside_a_layer_scan():
 
 
 def test_split_count_follows_batch_against_sms():
-    # H200: 132 SMs, 8 KV heads: fill ~2 waves, never below 256 positions per split.
+    # 132 SMs, 8 KV heads: fill ~2 waves, never below 256 positions per split.
     assert choose_num_splits(1, 8, 32768, num_sms=132) == 33
     assert choose_num_splits(16, 8, 4096, num_sms=132) == 3
     assert choose_num_splits(64, 8, 2048, num_sms=132) == 1
@@ -248,32 +253,44 @@ def test_split_count_follows_batch_against_sms():
     assert choose_num_splits(1, 8, 32768, num_sms=108) == 27  # fewer SMs, fewer splits
 
 
-def test_bad_block_table_is_caught():
+# --- the backend object ----------------------------------------------------------------------
+
+
+def test_backend_is_a_hashable_attention_backend():
+    assert isinstance(PALLAS, AttentionBackend)
+    assert PALLAS.name == "pallas" and PALLAS.cost_follows_context is False
+    assert hash(PALLAS) == hash(PallasBackend()) and PallasBackend() == PALLAS
+    assert jax.jit(lambda x, backend: x, static_argnums=1)(1, PALLAS) == 1  # a static argument
+
+
+@pytest.mark.parametrize(
+    "spec,reason",
+    [
+        (AttentionSpec(8, 2, 64, "bfloat16", 16), None),
+        (AttentionSpec(4, 4, 16, "float32", 8), None),
+        (AttentionSpec(8, 2, 256, "float8_e4m3fn", 32), None),
+        (AttentionSpec(8, 3, 64, "float32", 16), "multiple"),
+        (AttentionSpec(8, 2, 64, "float32", 12), "block_size 12"),
+        (AttentionSpec(8, 2, 96, "float32", 16), "head_dim 96"),
+        (AttentionSpec(8, 2, 512, "float32", 16), "head_dim 512"),
+        (AttentionSpec(8, 2, 64, "int8", 16), "int8"),
+    ],
+)
+def test_backend_supports(spec, reason):
+    got = PALLAS.supports(spec)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
+
+
+def test_backend_call_matches_reference():
     q, cache, metadata = make_case(
-        7, [(4, 20), (1, 9)], block_size=8, num_kv_heads=1, group=1, head_dim=64
+        8, [(3, 20), (1, 9)], block_size=8, num_kv_heads=1, group=2, head_dim=64
     )
-    num_blocks = cache.num_blocks
-    check_block_tables(metadata, num_blocks, 8)  # the good table passes
-    bad_tables = metadata.block_tables.at[1, 1].set(num_blocks + 5)
-    bad = AttentionMetadata(**{**vars(metadata), "block_tables": bad_tables})
-    with pytest.raises(ValueError, match=r"block_tables\[1, 1\]"):
-        check_block_tables(bad, num_blocks, 8)
-    negative = AttentionMetadata(**{**vars(metadata), "block_tables": bad_tables.at[1, 1].set(-2)})
-    with pytest.raises(ValueError, match="not a page"):
-        check_block_tables(negative, num_blocks, 8)
-
-    # Interpret mode would clamp the page id and return a plausible wrong answer; the
-    # jittable check turns it into an error instead.
-    @jax.jit
-    @checkify.checkify
-    def checked(metadata):
-        checkify_metadata(metadata, num_blocks, 8)
-        return metadata.seq_lens.sum()
-
-    err, _ = checked(metadata)
-    assert err.get() is None
-    err, _ = checked(bad)
-    assert "invalid attention metadata" in err.get()
+    kwargs = dict(scale=0.125, sliding_window=jnp.int32(6), soft_cap=20.0)
+    out = PALLAS(q, cache, jnp.int32(1), metadata, **kwargs)
+    assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
 
 
 # --- CUDA lowering on a CPU-only host ------------------------------------------------------

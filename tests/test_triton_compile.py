@@ -1,17 +1,22 @@
 """The Pallas kernels compiled to cubins for Hopper (sm_90) and Ampere (sm_80) on this CPU-only
-host, by the `triton` package's own pipeline (kernels_pallas/triton_compile.py): what XLA's GPU
+host, by the `triton` package's own pipeline (benchmarks/triton_compile.py): what XLA's GPU
 backend does with them on a GPU. Each kernel, with its default tiling, for each pool dtype and
 head_dim must compile, spill no registers, fit its shared memory, keep float32 off the tensor
 cores (IEEE float32, not TF32) and 16-bit/fp8 on them, and pipeline its KV loads."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.decode_attention import DecodeConfig
 from kernels_pallas.ragged_paged_attention import RaggedConfig
-from kernels_pallas.triton_compile import MAX_SHARED_BYTES, compile_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from triton_compile import MAX_SHARED_BYTES, compile_kernel  # noqa: E402  (a developer tool)
 
 pytest.importorskip("triton", reason="Triton has wheels for Linux x86-64 only")
 

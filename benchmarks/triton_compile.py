@@ -8,6 +8,9 @@ host can see what the GPU gets: registers per thread, spills, shared memory, the
 instructions chosen (`wgmma` on Hopper, `mma.sync` before it) and whether the KV loads are
 software-pipelined (`cp.async`). jaxlib builds its own Triton, so the numbers are a close
 estimate, not the GPU's own.
+
+A developer tool, not part of the runtime package (it imports jaxlib's private `jax._src`):
+`benchmarks/triton_resources.py` and `tests/test_triton_compile.py` use it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,13 +79,13 @@ class CompiledKernel:
         return min(by_registers, by_shared, SM_WARPS // self.num_warps, SM_BLOCKS)
 
 
-def triton_call_targets(lowered) -> list[str]:
+def triton_call_targets(lowered: jax.stages.Lowered) -> list[str]:
     """Custom-call targets of `lowered` that hold a Triton kernel (IR, or PTX on newer jaxlibs
     with a GPU, which compile at lowering)."""
     return [target for target, _ in _custom_calls(lowered) if "triton" in target]
 
 
-def triton_kernels(lowered) -> list[TritonKernel]:
+def triton_kernels(lowered: jax.stages.Lowered) -> list[TritonKernel]:
     """The Triton IR kernels that `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
     embedded (jaxlib <= 0.10.2 leaves their compilation to XLA; newer jaxlibs embed none)."""
     kernels = []
@@ -100,7 +104,7 @@ def triton_kernels(lowered) -> list[TritonKernel]:
     return kernels
 
 
-def _custom_calls(lowered):
+def _custom_calls(lowered: jax.stages.Lowered) -> list[tuple[str, Any]]:  # (target, attributes)
     found = []
 
     def walk(op):
@@ -184,18 +188,18 @@ def compile_for_sm(kernel: TritonKernel, capability: int = 90) -> CompiledKernel
 def lower_for_cuda(
     kernel: str,  # "ragged" or "decode"
     *,
-    kv_dtype,
+    kv_dtype: jnp.dtype | type,
     head_dim: int,
     group: int,
     block_size: int = 16,
     num_kv_heads: int = 2,
     use_window: bool = False,
     soft_cap: float | None = None,
-    config=None,  # RaggedConfig / DecodeConfig; None: the kernel's default
+    config: RaggedConfig | DecodeConfig | None = None,  # None: the kernel's default
     num_tokens: int = 64,
     num_seqs: int = 8,
     capability: int = 90,
-):
+) -> jax.stages.Lowered:
     """Lowers one of the two kernels for a CUDA target from shapes alone (no arrays, no GPU),
     as `paged_attention` would on a GPU of `capability` (below 89: fp8 upcast in software).
     q is float32 for a float32 pool, else bfloat16; 3 layers, 64 pages of 16 table entries."""

@@ -44,6 +44,7 @@ def main() -> None:
     from models.llama import forward_logits_jit
     from models.loader import load_model, load_tokenizer
     from pagedjax.config import EngineConfig
+    from pagedjax.core.memory import KVCacheSpec
     from pagedjax.engine import LLMEngine
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
@@ -82,9 +83,8 @@ def main() -> None:
         for seq in sequences:
             n = len(seq)
             blocks = -(-n // 16)
-            cache = allocate_kv_cache(
-                config.num_layers, config.num_kv_heads, blocks + 1, 16, config.head_dim, dtype
-            )
+            spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+            cache = allocate_kv_cache(spec, blocks + 1, 16)
             meta = build_metadata([n], [n], [list(range(1, blocks + 1))], 16)
             logits, _ = forward_logits_jit(
                 params,

@@ -70,13 +70,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args()
 
-    from kernels_pallas import cpu_kernels
     from models.loader import load_model, load_tokenizer
-    from pagedjax.config import EngineConfig, default_block_size
+    from pagedjax.config import EngineConfig
     from pagedjax.engine import LLMEngine
+    from pagedjax.platforms import current_platform
 
     # As the engine loads the model itself: the GGUF's quantized weights where they run.
-    model_config, params = load_model(None, keep_blocks=cpu_kernels.usable())
+    platform = current_platform()
+    keep_blocks = platform.keeps_quantized_weights("float32")
+    model_config, params = load_model(None, keep_blocks=keep_blocks)
     tokenizer = load_tokenizer(None)
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [
@@ -84,7 +86,7 @@ def main() -> None:
         for i in range(args.requests)
     ]
     longest = max(len(p) for p in prompts) + args.tokens
-    block_size = default_block_size()
+    block_size = platform.default_block_size
     result = {
         "workload": f"{args.requests} requests, shared system prompt, {args.tokens} new tokens",
         "prompt_tokens_each": f"{min(map(len, prompts))}-{max(map(len, prompts))}",

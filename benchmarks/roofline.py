@@ -5,7 +5,7 @@ matmul FLOP/s for the model's own shapes, in the same run.
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
 (the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
-CPU matmul kernels (`kernels_pallas/cpu_matmul.py`: float32 panels, and the 4-bit block codes
+CPU matmul kernels (`pagedjax/cpu_native/matmul.py`: float32 panels, and the 4-bit block codes
 the engine runs a GGUF's weights as); the best of them is the ceiling.
 Model FLOPs of a step: 2 x (layer parameters) per computed token, 2 x H x V per sampled row
 (the LM head runs only on those), and attention 4 x context x heads x head_dim per token per
@@ -46,7 +46,11 @@ def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
         "w_down": (inter, h),
         "lm_head": (h, config.vocab_size),
     }
-    from kernels_pallas.cpu_matmul import BLOCK, pack, pack_blocks, packed_matmul
+    from models.weights import BLOCK
+    from pagedjax.cpu_native.matmul import pack, pack_blocks
+
+    def packed_matmul(x, weight):
+        return weight.matmul(x)
 
     def blocks(w):  # random 4-bit codes with float16 scales and offsets, as in Q4_1
         rng = np.random.default_rng(2)
@@ -165,12 +169,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
+    from pagedjax.platforms import current_platform
     from pagedjax.sampling_params import SamplingParams
 
     max_model_len = 1024
-    block_size = args.block_size or default_block_size()
+    block_size = args.block_size or current_platform().default_block_size
     llm = LLM(
         None,
         max_model_len=max_model_len,

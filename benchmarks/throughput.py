@@ -110,15 +110,15 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
+    from pagedjax.platforms import current_platform
     from pagedjax.sampling_params import SamplingParams
 
     w1 = args.workload == "W1"
     count = args.requests or (32 if w1 else 8)
     max_model_len = 512 if w1 else 1024
     longest = 200 + args.tokens if w1 else 1024  # prompt + output tokens of one request
-    bs = args.block_size or default_block_size()
+    bs = args.block_size or current_platform().default_block_size
     llm = LLM(
         None,
         max_model_len=max_model_len,

@@ -23,9 +23,10 @@ TOPICS = [
 def kv_blocks(requests: int, tokens_each: int, block_size: int | None = None) -> int:
     """num_kv_blocks that holds `requests` requests of up to `tokens_each` tokens at once, plus
     the null block. block_size None: the engine's default on this platform."""
-    from pagedjax.config import default_block_size
+    from pagedjax.platforms import current_platform
 
-    return 1 + requests * -(-tokens_each // (block_size or default_block_size()))
+    block_size = block_size or current_platform().default_block_size
+    return 1 + requests * -(-tokens_each // block_size)
 
 
 def chat_ids(tokenizer, text: str, system: str | None = None) -> list[int]:

@@ -10,6 +10,7 @@ jitted step takes one as a static argument); the engine's are registered in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -56,3 +57,35 @@ class AttentionBackend(Protocol):
         soft_cap: float | None = None,
     ) -> jax.Array:  # [T, Hq, D] in q's dtype; rows of padding tokens stay finite
         ...
+
+
+def _runs_anything(spec: AttentionSpec) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """An attention backend made of a function with the contract's call signature."""
+
+    name: str
+    fn: Callable[..., jax.Array]  # fn(q, cache, layer, metadata, *, scale, sliding_window, ...)
+    cost_follows_context: bool
+    check: Callable[[AttentionSpec], str | None] = _runs_anything  # supports(spec)
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        return self.check(spec)
+
+    def __call__(
+        self,
+        q: jax.Array,
+        cache: KVCache,
+        layer: jax.Array | int,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: jax.Array | int | None = None,
+        soft_cap: float | None = None,
+    ) -> jax.Array:
+        return self.fn(
+            q, cache, layer, metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )

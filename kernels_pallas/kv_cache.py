@@ -26,6 +26,7 @@ tables may point at it. Padding tokens carry a negative slot and are dropped by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -51,26 +52,24 @@ class KVCache:
         return self.k.shape[3]
 
 
-def kv_cache_shape(
-    num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int
-) -> tuple[int, int, int, int, int]:
-    return (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+class KVCacheLayout(Protocol):
+    """The model-side shape of a pool (`pagedjax.core.memory.KVCacheSpec` is one)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # a dtype or its name
 
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_kv_heads: int,
-    num_blocks: int,
-    block_size: int,
-    head_dim: int,
-    dtype: jnp.dtype = jnp.float32,
-) -> KVCache:
-    shape = kv_cache_shape(num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+def allocate_kv_cache(spec: KVCacheLayout, num_blocks: int, block_size: int) -> KVCache:
+    """A zeroed pool of `num_blocks` blocks of `block_size` tokens (scales of 1 for fp8)."""
+    dtype = jnp.dtype(spec.dtype)
+    shape = (spec.num_layers, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if not is_quantized(dtype):
         return KVCache(k, v)
     # Two arrays, not one twice: the pool is donated, and a buffer cannot be donated twice.
-    scales = [jnp.ones((num_layers, num_kv_heads), jnp.float32) for _ in range(2)]
+    scales = [jnp.ones((spec.num_layers, spec.num_kv_heads), jnp.float32) for _ in range(2)]
     return KVCache(k, v, *scales)
 
 

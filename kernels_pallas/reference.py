@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.backend import FunctionBackend
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata
 
@@ -76,3 +77,7 @@ def ragged_paged_attention(
     probs = jax.nn.softmax(scores, axis=-1).reshape(num_tokens, num_kv_heads, group, -1, block_size)
     out = jnp.einsum("tkgbc,tbkcd->tkgd", probs, v)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# The oracle as a backend (tests): its cost grows with the block-table width.
+REFERENCE = FunctionBackend("reference", ragged_paged_attention, cost_follows_context=False)

@@ -9,6 +9,7 @@ bit (the tests check both against gguf and against transformers' own GGUF loader
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import mmap
@@ -227,7 +228,7 @@ class BlockCodes:
     """A Q4_0, Q4_1 or Q8_0 tensor [out, in] as its file stores it: w = code * scale + offset
     with one scale and offset per 32 inputs. The product is exact in float32 (a float16 scale
     times a code of at most 8 bits), so this is `dequantize`'s value bit for bit, up to the
-    sign of a zero; `kernels_pallas.cpu_matmul.pack_blocks` runs matmuls on it."""
+    sign of a zero; `models.weights.QuantizedLinear` runs matmuls on it."""
 
     # [out, in * bits / 8] uint8, the file's bytes. 4-bit: byte 16 b + j holds input 32 b + j
     # in its low nibble and 32 b + j + 16 in its high one. 8-bit: int8.
@@ -446,22 +447,19 @@ def _open_map(path: Path) -> mmap.mmap:
         raise ModelLoadError(f"cannot read GGUF model file {path}: {e}") from e
 
 
-def _read_header(path: Path, buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], int]:
-    """_parse_header, with every failure turned into a ModelLoadError. The engine reads one
-    file's header up to three times (weights, quantized weights, tokenizer), and its 100k
-    vocabulary strings take 0.1-0.3 s to parse, so a parse is kept for as long as the file's
-    size and modification time stay the same."""
+def _read_header(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+    """_parse_header, with every failure turned into a ModelLoadError, kept while the file's
+    size and modification time stay the same: an engine reads one file's header for its
+    weights and, on another thread, for its tokenizer, and the vocabulary is slow to parse."""
     stat = os.stat(path)
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    header = _HEADERS.get(key)  # (the engine's tokenizer thread reads it too)
-    if header is None:
-        header = _parse_header_or_raise(path, buf)
-        _HEADERS.clear()  # one file at a time: the vocabulary is megabytes
-        _HEADERS[key] = header
-    return header
+    return _cached_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
-_HEADERS: dict[tuple, tuple[dict[str, Any], list[_TensorInfo], int]] = {}
+@functools.lru_cache(maxsize=1)  # one file at a time: the vocabulary is megabytes
+def _cached_header(
+    path: str, size: int, mtime_ns: int
+) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+    return _parse_header_or_raise(Path(path), _open_map(Path(path)))
 
 
 def _parse_header_or_raise(
@@ -488,7 +486,7 @@ def read_gguf(
     # Every array we return is a fresh copy, so the map is unmapped when `data` and `buf`
     # go out of scope at return.
     buf = _open_map(path)
-    meta, infos, data_start = _read_header(path, buf)
+    meta, infos, data_start = _read_header(path)
     try:
         config = _hf_config(meta, infos)
     except (ValueError, TypeError, ZeroDivisionError) as e:  # e.g. a string for a count
@@ -615,7 +613,7 @@ def gguf_tokenizer(path: str | os.PathLike) -> Any:
     except ImportError:  # transformers < 5 lays its GGUF code out differently: use the slow path
         return _auto_tokenizer(path)
 
-    meta, _, _ = _read_header(path, _open_map(path))
+    meta, _, _ = _read_header(path)
     architecture = meta.get("general.architecture")
     try:
         tokenizer_dict, tokenizer_config = _tokenizer_metadata(meta)

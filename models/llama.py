@@ -1,8 +1,8 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions.
 
-Params are a pytree of arrays with the layers stacked on a leading axis:
+Params are a pytree with the layers stacked on a leading axis:
 
-    embed        [V, H]             packed and tied: absent (the packed LM head serves lookups)
+    embed        [V, H]             absent when a tied LM head weight type serves lookups
     layers:
       attn_norm  [L, H]
       wqkv       [L, H, Q + 2 KV]   q, k and v projections fused at load time
@@ -14,16 +14,14 @@ Params are a pytree of arrays with the layers stacked on a leading axis:
       w_gate_up  [L, H, 2 I]        gate and up projections fused at load time
       w_down     [L, I, H]
     final_norm   [H]
-    lm_head      [H, V]             absent when the embeddings are tied (packed: always present)
+    lm_head      [H, V]             absent when the embeddings are tied and kept as a table
 
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
 
-`pack_matmul_weights` prepares the weights for XLA:CPU: the four matmul weights become tuples of
-per-layer weights packed for `cpu_matmul` (which XLA would otherwise repack on every call), and
-the LM head is packed too. Tuples, because slicing layer i out of a stacked weight inside the
-scan is a copy there, which at batch 1 costs more than the matmul itself; a tuple is read in
-place through a `lax.switch` on the layer index, one matmul per branch.
+The four matmul weights and the LM head may also be weight types that know how to multiply
+(`models/weights.py`): GGUF block codes widened in XLA, or a platform's packed layout. The
+model code calls their methods and never asks which platform it runs on.
 """
 
 from __future__ import annotations
@@ -33,55 +31,18 @@ from contextlib import AbstractContextManager
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kernels_pallas.cpu_matmul import (
-    PackedWeight,
-    QuantizedWeight,
-    pack,
-    pack_blocks,
-    packed_columns,
-    packed_matmul,
-)
 from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
+from models.weights import LinearWeight, StackedLinearWeight
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
 
 
 MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-def pack_matmul_weights(params: Params) -> Params:
-    """Params for XLA:CPU: each stacked matmul weight [L, in, out] becomes a tuple of L
-    `PackedWeight`s, and the LM head one `PackedWeight`. With tied embeddings the packed head
-    is the embeddings' transpose and replaces them (the token lookup reads it).
-
-    Weights that `models.loader.load_model(keep_blocks=True)` kept as a GGUF stores them,
-    block-quantized (a tuple of per-layer BlockCodes [out, in], or one for the LM head), are
-    packed as `QuantizedWeight`s instead, which compute the same products from a fifth of the
-    bytes."""
-
-    def packed(w) -> PackedWeight | QuantizedWeight:  # w: [in, out] floats, or BlockCodes
-        if isinstance(w, np.ndarray | jax.Array):
-            return pack(w)
-        return pack_blocks(w.codes.T, w.scales.T, w.offsets.T, w.bits)
-
-    layers = dict(params["layers"])
-    for name in MATMUL_WEIGHTS:
-        weights = layers[name]
-        layers[name] = tuple(
-            packed(w) for w in (weights if isinstance(weights, tuple) else np.asarray(weights))
-        )
-    if "lm_head" in params:
-        rest, head = params, params["lm_head"]
-    else:
-        rest = {k: v for k, v in params.items() if k != "embed"}
-        head = np.asarray(params["embed"]).T
-    return {**rest, "layers": layers, "lm_head": packed(head)}
 
 
 def matmul_precision(dtype: jnp.dtype) -> AbstractContextManager:
@@ -96,16 +57,18 @@ def matmul_precision(dtype: jnp.dtype) -> AbstractContextManager:
 
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
-    """[T] ids -> [T, H] embeddings, from the table or, when packed and tied, the LM head."""
+    """[T] ids -> [T, H] embeddings, from the table or, when tied without one, the LM head."""
     if "embed" in params:
         return params["embed"][token_ids]
-    return packed_columns(params["lm_head"], token_ids)
+    return params["lm_head"].take_columns(token_ids)
 
 
-def layer_matmul(x: jax.Array, weight: jax.Array | tuple, layer: jax.Array) -> jax.Array:
-    """x @ weight[layer], for a stacked weight or a tuple of packed per-layer weights."""
-    if isinstance(weight, tuple):
-        return jax.lax.switch(layer, [lambda x, w=w: packed_matmul(x, w) for w in weight], x)
+def layer_matmul(
+    x: jax.Array, weight: jax.Array | StackedLinearWeight, layer: jax.Array
+) -> jax.Array:
+    """x @ weight[layer], for a stacked array or a weight type that multiplies by itself."""
+    if isinstance(weight, StackedLinearWeight):
+        return weight.layer_matmul(x, layer)
     return x @ weight[layer]
 
 
@@ -223,9 +186,9 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled."""
     head = params.get("lm_head")
-    if isinstance(head, PackedWeight | QuantizedWeight):
-        return packed_matmul(hidden, head).astype(jnp.float32)
     with matmul_precision(hidden.dtype):
+        if isinstance(head, LinearWeight):
+            return head.matmul(hidden).astype(jnp.float32)
         if head is not None:
             return (hidden @ head).astype(jnp.float32)
         return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)

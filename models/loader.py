@@ -23,6 +23,7 @@ import numpy as np
 from models.config import ModelConfig, model_config_from_hf
 from models.errors import ModelLoadError
 from models.llama import Params
+from models.weights import QuantizedLinear
 
 if TYPE_CHECKING:
     from models.gguf_loader import BlockCodes
@@ -73,7 +74,7 @@ def params_from_hf_tensors(
     config: ModelConfig,
     get: TensorGetter,
     dtype: jnp.dtype = jnp.float32,
-    blocks: dict[str, BlockCodes | tuple[BlockCodes, ...]] | None = None,
+    blocks: dict[str, QuantizedLinear] | None = None,
 ) -> Params:
     """Stacks per-layer HF tensors ([out, in] weights) into our fused [in, out] layout; the
     weights in `blocks` (see `_fused_blocks`) go in as they are, and are not read."""
@@ -98,10 +99,9 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, bloc
     }
     for name, kept in blocks.items():
         k, n = matmul_shapes.get(name, (H, config.vocab_size))  # the LM head: [V, H]
-        for w in kept if isinstance(kept, tuple) else (kept,):
-            if w.scales.shape != (n, k // 32):
-                rows, inputs = w.scales.shape[0], w.scales.shape[1] * 32
-                raise ValueError(f"{name} is {rows} x {inputs} block codes, not {n} x {k}")
+        if kept.scales.shape[-2:] != (n, k // 32):
+            rows, inputs = kept.scales.shape[-2], kept.scales.shape[-1] * 32
+            raise ValueError(f"{name} is {rows} x {inputs} block codes, not {n} x {k}")
     matmuls = {name: parts for name, parts in FUSED_MATMULS.items() if name not in blocks}
     layers = {"attn_norm": stacked((H,)), "mlp_norm": stacked((H,))}
     layers.update({name: stacked(matmul_shapes[name]) for name in matmuls})
@@ -132,7 +132,7 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, bloc
             layers["k_norm"][i] = get(p + "self_attn.k_norm.weight")
 
     params: Params = {"layers": layers, "final_norm": get("model.norm.weight")}
-    # Tied embeddings kept as block codes serve the lookups too (pack_matmul_weights).
+    # Tied embeddings kept as block codes serve the lookups too (QuantizedLinear.take_columns).
     if not (config.tie_word_embeddings and "lm_head" in blocks):
         params["embed"] = get("model.embed_tokens.weight")
         embed_shape = (config.vocab_size, config.hidden_size)
@@ -141,7 +141,7 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, bloc
     if not config.tie_word_embeddings and "lm_head" not in blocks:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
-    for name, kept in blocks.items():  # as they are: only pack_matmul_weights reads them
+    for name, kept in blocks.items():
         (params if name == "lm_head" else params["layers"])[name] = kept
     return params
 
@@ -218,11 +218,10 @@ def load_model(
 
     keep_blocks: the matmul weights a GGUF stores block-quantized (Q4_0, Q4_1, Q8_0) stay as
     the file holds them, fused as the float32 ones are: each of "wqkv", "wo", "w_gate_up" and
-    "w_down" whose parts are all block codes of one width becomes a tuple of per-layer
-    BlockCodes [out, in], and "lm_head" a BlockCodes [V, H] (with tied embeddings, in place of
-    "embed"). Only `models.llama.pack_matmul_weights` takes such params: the CPU's packed
-    kernels compute the float32 weights' products from them exactly, from a fifth of the
-    bytes. Other weights, and every weight of a Hugging Face directory, load as float arrays.
+    "w_down" whose parts are block codes of one width in every layer becomes a stacked
+    `QuantizedLinear`, and "lm_head" one too (with tied embeddings, in place of "embed").
+    They compute the float32 weights' products exactly, from a fifth of the bytes. Other
+    weights, and every weight of a Hugging Face directory, load as float arrays.
     """
     files = resolve_model_path(model)
     blocks = {}
@@ -247,9 +246,9 @@ def load_model(
 
 def _fused_blocks(
     config: ModelConfig, tensors: dict[str, np.ndarray | BlockCodes]
-) -> dict[str, BlockCodes | tuple[BlockCodes, ...]]:
+) -> dict[str, QuantizedLinear]:
     """The matmul weights whose parts `read_gguf(keep_blocks=True)` gave as block codes of one
-    width, fused like the float32 ones: {"wqkv" etc.: per-layer BlockCodes, "lm_head": ...}."""
+    width in every layer, fused like the float32 ones: {"wqkv" etc., "lm_head": ...}."""
     from models.gguf_loader import BlockCodes
 
     def fused(names: list[str]) -> BlockCodes | None:
@@ -258,17 +257,24 @@ def _fused_blocks(
             return None
         return BlockCodes.concatenate(parts)
 
-    blocks: dict[str, BlockCodes | tuple[BlockCodes, ...]] = {}
+    def quantized(parts: list[BlockCodes], stacked: bool) -> QuantizedLinear:
+        def array(name: str) -> jax.Array:
+            values = [getattr(b, name) for b in parts]
+            return jnp.asarray(np.stack(values) if stacked else values[0])
+
+        return QuantizedLinear(*map(array, ("codes", "scales", "offsets")), parts[0].bits)
+
+    blocks: dict[str, QuantizedLinear] = {}
     for name, projections in FUSED_MATMULS.items():
         per_layer = [
             fused([f"model.layers.{i}.{part}.weight" for part in projections])
             for i in range(config.num_layers)
         ]
-        if all(b is not None for b in per_layer):
-            blocks[name] = tuple(per_layer)
+        if all(b is not None for b in per_layer) and len({b.bits for b in per_layer}) == 1:
+            blocks[name] = quantized(per_layer, stacked=True)
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     if (lm_head := fused([head])) is not None:
-        blocks["lm_head"] = lm_head
+        blocks["lm_head"] = quantized([lm_head], stacked=False)
     return blocks
 
 

@@ -4,31 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedjax.attention import BACKENDS
+
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
-ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8")
-
-
-def default_block_size(platform: str | None = None) -> int:
-    """Tokens per KV block when the config gives none: 16 on a GPU (vLLM's default; a decode
-    page of 16 x 128 bf16 is 4 KiB), 64 on the CPU. On the CPU a page is one KV head's
-    block_size x head_dim float32 tile, and pages of a running request lie wherever the free
-    list put them: reads of scattered 4 KiB pages (16 x 64 float32) reached 10-11 GB/s on a
-    2-core VM against 17-19 GB/s for 16 KiB ones, and at 128 running requests of 250-750
-    tokens a decode step took 17% less time with blocks of 64 than of 16 (128: about as 64).
-    Larger blocks make prefix caching coarser: only whole blocks are shared."""
-    if platform is None:
-        import jax
-
-        platform = jax.default_backend()
-    return 16 if platform == "gpu" else 64
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2 model
     max_model_len: int = 2048  # prompt + output tokens of one request
-    block_size: int | None = None  # tokens per KV block; None: default_block_size()
+    block_size: int | None = None  # tokens per KV block; None: the platform's default
     num_kv_blocks: int | None = None  # explicit pool size (the null block included)
     # Pool budget when num_kv_blocks is not given. None: on a GPU, gpu_memory_utilization of
     # device memory minus weights and the profiled activation peak; on the CPU, 1 GiB.
@@ -38,12 +25,16 @@ class EngineConfig:
     max_num_seqs: int = 128  # running requests at once
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
-    # "auto": Pallas kernels on a GPU, "xla" (work-list loops) elsewhere; "reference": the
-    # per-token oracle; "pallas" on the CPU runs the kernels in interpret mode (tests).
+    # "auto": the platform's choice (Pallas kernels on a GPU; on the CPU the C++ kernel, or
+    # XLA's loops where it does not apply); "reference": the per-token oracle; "pallas" on
+    # the CPU runs the kernels in interpret mode (tests). See pagedjax/attention.py.
     attention_backend: str = "auto"
     dtype: str = "float32"  # weights and activations
     kv_cache_dtype: str = "auto"  # "auto" follows dtype; "fp8" (e4m3) halves KV bytes vs bf16
     seed: int = 0  # seeds the draws of requests that give no seed
+    # After start-up, move the objects alive then out of the collector's generations (as vLLM
+    # does), so full collections stop rescanning the model's and tokenizer's objects.
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

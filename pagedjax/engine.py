@@ -10,34 +10,24 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_kernels
-from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
-from pagedjax.config import EngineConfig, default_block_size
+from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedjax.platforms import current_platform
 from pagedjax.sampler import TokenLogprobs
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.worker.model_runner import (
-    ModelRunner,
-    SampleRow,
-    ScheduledSequence,
-    activation_bytes,
-)
+from pagedjax.worker.model_runner import SampleRow, ScheduledSequence
+from pagedjax.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass
@@ -75,24 +65,6 @@ def _logprob_entry(token: int, logprobs: TokenLogprobs, row: int, k: int) -> dic
     return entry
 
 
-def _attention_fn(backend: str):
-    """ "auto": the Pallas kernels on a GPU, the XLA work-list attention elsewhere. "pallas" on
-    the CPU runs the kernels in interpret mode (slow; for tests)."""
-    import jax
-
-    if backend == "xla" or (backend == "auto" and jax.default_backend() != "gpu"):
-        from kernels_pallas.xla_attention import ragged_paged_attention_xla
-
-        return ragged_paged_attention_xla
-    if backend == "reference":
-        from kernels_pallas.reference import ragged_paged_attention
-
-        return ragged_paged_attention
-    from kernels_pallas.paged_attention import paged_attention
-
-    return paged_attention
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -101,39 +73,25 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer=None,
     ):
-        from models.loader import load_model, load_tokenizer
+        from models.loader import load_tokenizer
 
+        platform = current_platform()
         if config.block_size is None:
-            config = replace(config, block_size=default_block_size())
+            config = replace(config, block_size=platform.default_block_size)
         self.config = config
-        dtype = jnp.dtype(config.dtype)
-        # The tokenizer loads on a thread while the weights load and pack: most of its 2-4 s
-        # is importing transformers, and the weights' numpy work releases the GIL.
+        # The tokenizer loads on a thread while the weights load and pack: most of its time is
+        # importing transformers, and the weights' numpy work releases the GIL.
         pool = ThreadPoolExecutor(1)
         pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
-        if model_config is None or params is None:
-            # A GGUF's quantized matmul weights as stored: exact, a fifth of the bytes. (Without
-            # the C++ kernel XLA would widen every weight on every call.)
-            keep_blocks = dtype == jnp.float32 and cpu_kernels.usable()
-            model_config, params = load_model(config.model, dtype, keep_blocks=keep_blocks)
-        self.model_config = model_config
-
-        kv_dtype = (
-            dtype if config.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[config.kv_cache_dtype]
-        )
-        spec = KVCacheSpec(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
-        )
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(
-            self._kv_budget_bytes(model_config, params, kv_dtype), config.block_size
-        )
-        self._check_capacity(num_blocks)
+        self.worker = Worker(config, platform, model_config, params)
+        self.model_config = model_config = self.worker.model_config
+        self.runner = self.worker.runner
         self.kv = KVCacheManager(
-            num_blocks,
+            self.worker.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
-            kv_spec=spec,
+            kv_spec=self.worker.kv_spec,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -141,17 +99,6 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-        )
-        self.runner = ModelRunner(
-            model_config,
-            params,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            attention_fn=_attention_fn(config.attention_backend),
-            kv_dtype=kv_dtype,
         )
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.eos_token_ids = frozenset(
@@ -164,64 +111,15 @@ class LLMEngine:
         self.num_steps = 0
         # (end time, tokens generated) of recent steps, for the tokens/s statistic.
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
-        # As vLLM does after start-up: the objects alive now (modules, tokenizer, weights'
-        # Python side; about 150k of them) leave the collector's generations, so a full
-        # collection no longer rescans them. One took 160 ms here, every few dozen steps with
-        # 256 requests running. They are still freed by reference counting when unreachable.
-        gc.freeze()
-        # Unfrozen at exit, so the interpreter's last collection still frees them: extension
-        # objects never freed print leak reports (triton's bindings, hundreds of lines).
-        atexit.unregister(gc.unfreeze)
-        atexit.register(gc.unfreeze)
-
-    def _kv_budget_bytes(
-        self, model_config: ModelConfig, params: Params, kv_dtype: jnp.dtype
-    ) -> int:
-        config = self.config
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
-        if not stats:
-            return CPU_KV_CACHE_BYTES
-        peak = activation_bytes(
-            model_config,
-            params,
-            config.max_num_batched_tokens,
-            -(-config.max_model_len // config.block_size),
-            _attention_fn(config.attention_backend),
-            kv_dtype,
-        )
-        usable = config.gpu_memory_utilization * stats["bytes_limit"]
-        budget = int(usable - stats["bytes_in_use"] - peak)  # bytes_in_use: the weights
-        logger.info(
-            "KV budget %.2f GiB = %.0f%% of %.2f GiB - %.2f GiB in use - %.2f GiB activations",
-            budget / 2**30,
-            100 * config.gpu_memory_utilization,
-            stats["bytes_limit"] / 2**30,
-            stats["bytes_in_use"] / 2**30,
-            peak / 2**30,
-        )
-        return max(budget, 0)
-
-    def _check_capacity(self, num_blocks: int) -> None:
-        config = self.config
-        usable = num_blocks - 1  # the null block
-        blocks_per_request = -(-config.max_model_len // config.block_size)
-        tokens = usable * config.block_size
-        logger.info(
-            "KV cache: %d blocks, %d tokens, max concurrency %.1f at max_model_len %d",
-            usable,
-            tokens,
-            tokens / config.max_model_len,
-            config.max_model_len,
-        )
-        if usable < blocks_per_request:
-            raise ValueError(
-                f"the KV pool holds {tokens} tokens ({usable} blocks of {config.block_size}), "
-                f"less than one request of max_model_len {config.max_model_len}: set "
-                f"max_model_len <= {tokens} or give more KV memory (num_kv_blocks or "
-                "kv_cache_memory_bytes)"
-            )
+        if config.freeze_gc:
+            # The objects alive now (modules, tokenizer, the weights' Python side) leave the
+            # collector's generations, so full collections stop rescanning them; reference
+            # counting still frees them.
+            gc.freeze()
+            # Unfrozen at exit, so the interpreter's last collection still frees them:
+            # extension objects never freed print leak reports (triton's bindings).
+            atexit.unregister(gc.unfreeze)
+            atexit.register(gc.unfreeze)
 
     # ------------------------------------------------------------------ requests
 

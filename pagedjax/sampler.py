@@ -4,9 +4,11 @@ Order, as in vLLM: penalties and logit bias on the raw logits, then greedy argma
 temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model
 distribution. Each row draws from its own key (request seed folded with the number of tokens
 it has generated), so a seeded request samples the same tokens whatever else is in the batch.
-A draw is argmax(probs / Exp(1) noise) in XLA; on the CPU, C++ passes (`cpu_sampling.py`) do
-the truncation and one inverse-CDF draw from 53 bits of the key (the same distribution, other
-tokens for a seed than a GPU's), the greedy argmax with bias and finite check, and logprobs.
+
+The passes over the [S, V] logits run in `SamplingKernels` the platform chose: XLA's here
+(a draw is argmax(probs / Exp(1) noise)), or the CPU's C++ passes
+(`pagedjax/cpu_native/sampling.py`, one inverse-CDF draw from 53 bits of the key: the same
+distribution, other tokens for a seed than XLA's).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import cpu_sampling
+from kernels_pallas.metadata import next_power_of_2
 from pagedjax.sampling_params import SamplingParams
 
 _NEG_INF = -jnp.inf
@@ -63,33 +66,81 @@ class SamplerOutput:
     logprobs: TokenLogprobs | None = None
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
-    """logits [R, V] f32, tokens [R] i32 -> their logprobs and ranks, and the top
-    `num_logprobs` of each row (vLLM's ranks: 1 + the number of strictly likelier tokens)."""
-    if cpu_sampling.supports(logits):
-        return TokenLogprobs(*cpu_sampling.token_logprobs(logits, tokens, num_logprobs))
-    return _token_logprobs_xla(logits, tokens, num_logprobs)
+class SamplingKernels(Protocol):
+    """The sampler's passes over [S, V] float32 logits, as one platform runs them."""
+
+    def greedy(
+        self, logits: jax.Array, bias_token_ids: jax.Array, bias_values: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(argmax(raw logits + bias) [S] i32, whether each raw row is finite [S] bool)."""
+        ...
+
+    def draw(
+        self, logits: jax.Array, meta: SamplingMetadata, use_truncation: bool, all_greedy: bool
+    ) -> jax.Array:
+        """[S] i32 tokens from logits with penalties and bias applied: the argmax for greedy
+        rows, else temperature, truncation (`truncate`'s rule) and the row's draw."""
+        ...
+
+    def token_logprobs(
+        self, logits: jax.Array, tokens: jax.Array, num_logprobs: int
+    ) -> TokenLogprobs:
+        """Logprobs and ranks of `tokens` [R] under logits [R, V], and the top `num_logprobs`
+        of each row (vLLM's ranks: 1 + the number of strictly likelier tokens)."""
+        ...
 
 
-def _token_logprobs_xla(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> TokenLogprobs:
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
-    # Counted on the logits: the log-softmax is a shift of the row, whose rounding makes ties.
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
-    ranks = 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
-    return TokenLogprobs(logprobs[:, 0], ranks, top_ids.astype(jnp.int32), top_logprobs)
+@dataclass(frozen=True)
+class XlaSampling:
+    """SamplingKernels in XLA, for every platform."""
+
+    def greedy(
+        self, logits: jax.Array, bias_token_ids: jax.Array, bias_values: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        biased = _add_bias(logits, bias_token_ids, bias_values)
+        return jnp.argmax(biased, axis=-1).astype(jnp.int32), finite
+
+    def draw(
+        self, logits: jax.Array, meta: SamplingMetadata, use_truncation: bool, all_greedy: bool
+    ) -> jax.Array:
+        greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if all_greedy:
+            return greedy_tokens
+        greedy = meta.temperature <= 0
+        scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+        if use_truncation:
+            scaled = truncate(scaled, meta)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        drawn = jax.vmap(_draw)(probs, meta.seeds, meta.steps)
+        return jnp.where(greedy, greedy_tokens, drawn)
+
+    def token_logprobs(
+        self, logits: jax.Array, tokens: jax.Array, num_logprobs: int
+    ) -> TokenLogprobs:
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
+        # Counted on the logits: the log-softmax is a shift of the row, whose rounding makes
+        # ties.
+        chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+        ranks = 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+        return TokenLogprobs(logprobs[:, 0], ranks, top_ids.astype(jnp.int32), top_logprobs)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",))
+XLA_SAMPLING = XlaSampling()
+
+
+@partial(jax.jit, static_argnames=("num_logprobs", "kernels"))
 def prompt_logprobs(
     logits: jax.Array,  # [S, V] f32: the step's logits rows
     rows: jax.Array,  # [P] i32: which of them predict a prompt token
     targets: jax.Array,  # [P] i32: that prompt token
     num_logprobs: int,
+    kernels: SamplingKernels = XLA_SAMPLING,
 ) -> TokenLogprobs:
     """Logprobs of prompt tokens given the tokens before them (SamplingParams.prompt_logprobs)."""
-    return token_logprobs(logits[rows], targets, num_logprobs)
+    return kernels.token_logprobs(logits[rows], targets, num_logprobs)
 
 
 def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -111,10 +162,10 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return logits
 
 
-def apply_logit_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def _add_bias(logits: jax.Array, bias_token_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
-    ids = jnp.where(meta.bias_token_ids < 0, logits.shape[-1], meta.bias_token_ids)
-    return logits.at[rows, ids].add(meta.bias_values, mode="drop")
+    ids = jnp.where(bias_token_ids < 0, logits.shape[-1], bias_token_ids)  # padding: dropped
+    return logits.at[rows, ids].add(bias_values, mode="drop")
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -175,93 +226,43 @@ def truncate(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.where(logits >= threshold, logits, _NEG_INF)
 
 
-def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+def row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     """A row's draw key: its request's seed folded with the tokens it has generated."""
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
 def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
-    key = _row_key(seed, step)
-    noise = jax.random.exponential(key, probs.shape, jnp.float32)
+    noise = jax.random.exponential(row_key(seed, step), probs.shape, jnp.float32)
     return jnp.argmax(probs / noise).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs", "use_penalties", "use_truncation", "all_greedy"))
+@partial(
+    jax.jit,
+    static_argnames=("kernels", "num_logprobs", "use_penalties", "use_truncation", "all_greedy"),
+)
 def sample(
     logits: jax.Array,  # [S, V] f32
     meta: SamplingMetadata,
+    kernels: SamplingKernels = XLA_SAMPLING,
     num_logprobs: int | None = None,
     use_penalties: bool = True,
     use_truncation: bool = True,
     all_greedy: bool = False,
 ) -> SamplerOutput:
-    """Samples one token per row. The static flags let an all-greedy, penalty-free batch skip
-    the [S, V] sort, scatters and noise, and a batch that asks for no logprobs (None, as
-    SamplingParams.logprobs) skip the log-softmax, the costliest [S, V] pass left on the CPU.
-    num_logprobs 0 returns the sampled tokens' logprobs only."""
-    if cpu_sampling.supports(logits):
-        tokens, finite = _sample_cpu(logits, meta, use_penalties, all_greedy)
+    """Samples one token per row. The static flags let a batch skip what none of its rows
+    uses: penalties, truncation and draws, and the logprobs pass unless some row asks for
+    logprobs (num_logprobs None, as SamplingParams.logprobs; 0 returns the sampled tokens'
+    logprobs only)."""
+    if all_greedy and not use_penalties:
+        tokens, finite = kernels.greedy(logits, meta.bias_token_ids, meta.bias_values)
     else:
-        tokens, finite = _sample_xla(logits, meta, use_penalties, use_truncation, all_greedy)
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        adjusted = apply_penalties(logits, meta) if use_penalties else logits
+        adjusted = _add_bias(adjusted, meta.bias_token_ids, meta.bias_values)
+        tokens = kernels.draw(adjusted, meta, use_truncation, all_greedy)
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
-    return SamplerOutput(tokens, finite, token_logprobs(logits, tokens, num_logprobs))
-
-
-def _adjusted(
-    logits: jax.Array, meta: SamplingMetadata, use_penalties: bool
-) -> tuple[jax.Array, jax.Array]:
-    """(the logits after penalties and logit bias, whether each raw row is finite)."""
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    if use_penalties:
-        logits = apply_penalties(logits, meta)
-    return apply_logit_bias(logits, meta), finite
-
-
-def _sample_cpu(
-    logits: jax.Array, meta: SamplingMetadata, use_penalties: bool, all_greedy: bool
-) -> tuple[jax.Array, jax.Array]:
-    """The C++ passes: greedy (bias, argmax and finite check in one), or temperature,
-    truncation and one inverse-CDF draw from 53 random bits per row (the same distribution as
-    XLA's noise argmax; XLA:CPU took 0.4-0.7 s for 256 rows of a 49k vocabulary). Rows
-    without truncation carry no-op values (top_k 0, top_p 1, min_p 0)."""
-    if all_greedy and not use_penalties:
-        return cpu_sampling.greedy_sample(logits, meta.bias_token_ids, meta.bias_values)
-    logits, finite = _adjusted(logits, meta, use_penalties)
-    bits = jax.vmap(lambda seed, step: jax.random.bits(_row_key(seed, step), (2,)))(
-        meta.seeds, meta.steps
-    )
-    tokens, _ = cpu_sampling.random_sample(
-        logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, bits
-    )
-    return tokens, finite
-
-
-def _sample_xla(
-    logits: jax.Array,
-    meta: SamplingMetadata,
-    use_penalties: bool,
-    use_truncation: bool,
-    all_greedy: bool,
-) -> tuple[jax.Array, jax.Array]:
-    logits, finite = _adjusted(logits, meta, use_penalties)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    if all_greedy:
-        return greedy_tokens, finite
-    return _draw_rows(logits, greedy_tokens, meta, use_truncation), finite
-
-
-def _draw_rows(
-    logits: jax.Array, greedy_tokens: jax.Array, meta: SamplingMetadata, use_truncation: bool
-) -> jax.Array:
-    greedy = meta.temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, meta.temperature)[:, None]
-    if use_truncation:
-        scaled = truncate(scaled, meta)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    drawn = jax.vmap(_draw)(probs, meta.seeds, meta.steps)
-    return jnp.where(greedy, greedy_tokens, drawn)
+    return SamplerOutput(tokens, finite, kernels.token_logprobs(logits, tokens, num_logprobs))
 
 
 def build_sampling_metadata(
@@ -293,7 +294,8 @@ def build_sampling_metadata(
         return out
 
     def padded(lists: list[list[int]], dtype=np.int32, fill=-1, min_width: int = 1) -> np.ndarray:
-        width = max(_bucket(max((len(x) for x in lists), default=0)), _bucket(min_width))
+        longest = max((len(x) for x in lists), default=0)
+        width = max(next_power_of_2(longest), next_power_of_2(min_width))
         out = np.full((num_rows, width), fill, dtype)
         for i, x in enumerate(lists):
             if len(x):  # most rows have no history or bias to send: skip numpy's per-call cost
@@ -331,10 +333,6 @@ def build_sampling_metadata(
         bias_token_ids=padded([list(b) for b in biases]),
         bias_values=padded([list(b.values()) for b in biases], np.float32, 0),
     )
-
-
-def _bucket(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def needs_penalties(params: list[SamplingParams]) -> bool:

@@ -31,15 +31,15 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    from pagedjax.config import default_block_size
     from pagedjax.llm import LLM
+    from pagedjax.platforms import current_platform
 
     pool_tokens = 8192
     return LLM(
         None,
         max_model_len=512,
         max_num_batched_tokens=256,
-        num_kv_blocks=pool_tokens // default_block_size(),
+        num_kv_blocks=pool_tokens // current_platform().default_block_size,
     )
 
 
@@ -64,10 +64,10 @@ def test_default_model_config(llm):
     params = llm.llm_engine.runner.params
     assert ("lm_head" in params) != ("embed" in params)
     # The file's Q4_1 layers and Q8_0 embeddings are run as stored (exactly; tested below).
-    from kernels_pallas.cpu_matmul import QuantizedWeight
+    from pagedjax.cpu_native.matmul import QuantizedWeight
 
     assert isinstance(params["lm_head"], QuantizedWeight) and params["lm_head"].bits == 8
-    assert all(w.bits == 4 for w in params["layers"]["w_gate_up"])
+    assert all(w.bits == 4 for w in params["layers"]["w_gate_up"].layers)
 
 
 def test_greedy_tokens_equal_transformers(llm):

@@ -407,10 +407,13 @@ def test_pool_too_small_for_max_model_len_fails_at_startup(tiny):
 
 
 def test_activation_profile_grows_with_tokens(tiny):
+    from kernels_pallas.xla_attention import XLA
+    from pagedjax.core.memory import KVCacheSpec
     from pagedjax.worker.model_runner import activation_bytes
 
     _, _, config, params = tiny("llama")
-    small, large = (activation_bytes(config, params, t, 8) for t in (16, 256))
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, jnp.float32)
+    small, large = (activation_bytes(config, params, t, 8, XLA, spec) for t in (16, 256))
     assert 0 < small < large
 
 
@@ -422,13 +425,23 @@ def test_stats(tiny):
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_usage"] == 0.0
 
 
-def test_pallas_backend_gives_the_reference_tokens(tiny):
-    """The Pallas kernels (interpret mode on the CPU) drive the engine to the same tokens."""
+@pytest.mark.parametrize("backend", ["xla", "cpu_native", "pallas"])
+def test_every_backend_gives_the_reference_tokens(tiny, backend):
+    """Each registered attention backend (Pallas in interpret mode on the CPU) drives the
+    engine to the oracle's tokens."""
     prompts = make_prompts(3, seed=13, lo=5, hi=20)
     params = SamplingParams(max_tokens=4, **GREEDY)
     expected = tokens_of(run(make_engine(tiny, attention_backend="reference"), prompts, params))
-    engine = make_engine(tiny, attention_backend="pallas", max_num_batched_tokens=16)
+    engine = make_engine(tiny, attention_backend=backend, max_num_batched_tokens=16)
+    assert engine.worker.attention.name == backend
     assert tokens_of(run(engine, prompts, params)) == expected
+
+
+def test_a_backend_that_cannot_run_the_model_says_why(tiny):
+    with pytest.raises(ValueError, match="cpu_native: it reads float32 pools only"):
+        make_engine(tiny, attention_backend="cpu_native", kv_cache_dtype="bfloat16")
+    auto = make_engine(tiny, kv_cache_dtype="bfloat16")  # "auto" takes the next that can
+    assert auto.worker.attention.name == "xla"
 
 
 def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
@@ -443,11 +456,12 @@ def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
 
 
 def test_block_size_defaults_by_platform(tiny):
-    from pagedjax.config import default_block_size
+    from pagedjax.platforms.cpu import cpu_platform
+    from pagedjax.platforms.gpu import GpuPlatform
 
     assert EngineConfig().block_size is None
-    assert (default_block_size("gpu"), default_block_size("cpu")) == (16, 64)
-    assert make_engine(tiny).config.block_size == default_block_size()
+    assert (GpuPlatform().default_block_size, cpu_platform().default_block_size) == (16, 64)
+    assert make_engine(tiny).config.block_size == 64
     explicit = make_engine(tiny, block_size=8)
     assert explicit.config.block_size == explicit.kv.block_size == 8
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -532,8 +533,8 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
 
 
 def widened(b: BlockCodes) -> np.ndarray:
-    """The weights the CPU kernels compute from BlockCodes (their XLA form)."""
-    from kernels_pallas.cpu_matmul import widen_blocks
+    """The weights QuantizedLinear and the CPU kernels compute from BlockCodes."""
+    from models.weights import widen_blocks
 
     return np.asarray(widen_blocks(b.codes, b.scales, b.offsets, b.bits))
 
@@ -555,44 +556,48 @@ def test_block_codes_are_the_dequantized_values(qtype: Q) -> None:
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16], ids=lambda q: q.name)
 def test_quantized_matmuls_give_the_float32_logits(tmp_path: Path, arch: str, qtype: Q) -> None:
     """load_model(keep_blocks=True) keeps a GGUF's quantized weights (Q/K rows unpermuted,
-    projections fused); the CPU runner's matmuls on them give the float32 weights' logits bit
-    for bit."""
-    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
-    from models.llama import MATMUL_WEIGHTS, pack_matmul_weights
+    projections fused) as QuantizedLinear, which the model runs as they are (the float32
+    weights' logits up to summation order), and the CPU kernels' packed form gives the float32
+    weights' logits bit for bit."""
+    from models.llama import MATMUL_WEIGHTS
     from models.loader import load_model
+    from models.weights import QuantizedLinear
+    from pagedjax.cpu_native.matmul import PackedWeight, QuantizedWeight, pack_params
 
     tied = arch == "llama"  # qwen2: untied, with Q/K/V biases
     write_tiny_gguf(tmp_path / "m.gguf", arch, qtype=qtype, tied=tied, bias=not tied)
     config, params = load_model(tmp_path / "m.gguf")
     _, kept = load_model(tmp_path / "m.gguf", keep_blocks=True)
-    quantized = pack_matmul_weights(kept)
-    weights = [quantized["lm_head"], *(w for n in MATMUL_WEIGHTS for w in quantized["layers"][n])]
+    quantized = pack_params(kept)
+    layers = quantized["layers"]
+    weights = [quantized["lm_head"], *(w for n in MATMUL_WEIGHTS for w in layers[n].layers)]
     if qtype == Q.F16:  # nothing stored quantized: the float32 path
         assert all(isinstance(w, PackedWeight) for w in weights)
         return
     assert all(isinstance(w, QuantizedWeight) for w in weights)
+    assert all(isinstance(kept["layers"][n], QuantizedLinear) for n in MATMUL_WEIGHTS)
     assert ("embed" in quantized) == (arch == "qwen2")  # untied: the embeddings stay
     if not tied:
         np.testing.assert_array_equal(kept["layers"]["bqkv"], params["layers"]["bqkv"])
-    assert np.array_equal(
-        tiny_logits(config, pack_matmul_weights(params)), tiny_logits(config, quantized)
+    np.testing.assert_allclose(
+        tiny_logits(config, kept), tiny_logits(config, params), rtol=1e-5, atol=1e-5
     )
+    assert np.array_equal(tiny_logits(config, pack_params(params)), tiny_logits(config, quantized))
 
 
 def test_mixed_quantization_keeps_only_whole_projections_as_blocks(tmp_path: Path) -> None:
     """A fused projection whose parts are not all block codes of one width (an F16 v_proj in
     one layer; Q8_0 up next to Q4_1 gate) loads as float32; the rest stays quantized."""
-    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
-    from models.llama import pack_matmul_weights
     from models.loader import load_model
+    from pagedjax.cpu_native.matmul import PackedWeight, QuantizedWeight, pack_params
 
     qtypes = {"blk.1.attn_v.weight": Q.F16, "blk.0.ffn_up.weight": Q.Q8_0}
     write_tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1, qtypes=qtypes)
     config, params = load_model(tmp_path / "m.gguf")
     _, kept = load_model(tmp_path / "m.gguf", keep_blocks=True)
-    quantized = pack_matmul_weights(kept)
-    kinds = {name: {type(w) for w in ws} for name, ws in quantized["layers"].items()
-             if isinstance(ws, tuple)}  # fmt: skip
+    quantized = pack_params(kept)
+    kinds = {name: {type(w) for w in ws.layers} for name, ws in quantized["layers"].items()
+             if hasattr(ws, "layers")}  # fmt: skip
     assert kinds == {
         "wqkv": {PackedWeight},
         "wo": {QuantizedWeight},
@@ -600,23 +605,25 @@ def test_mixed_quantization_keeps_only_whole_projections_as_blocks(tmp_path: Pat
         "w_down": {QuantizedWeight},
     }
     assert isinstance(quantized["lm_head"], QuantizedWeight)
-    assert np.array_equal(
-        tiny_logits(config, pack_matmul_weights(params)), tiny_logits(config, quantized)
-    )
+    assert np.array_equal(tiny_logits(config, pack_params(params)), tiny_logits(config, quantized))
 
 
 def test_block_codes_that_disagree_with_the_config_are_refused(tmp_path: Path) -> None:
     from models.config import model_config_from_hf
     from models.loader import params_from_hf_tensors
+    from models.weights import QuantizedLinear
 
     write_tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1)
     hf_config, tensors = read_gguf(tmp_path / "m.gguf", keep_blocks=True)
     config = model_config_from_hf(hf_config)
     down = tensors["model.layers.0.mlp.down_proj.weight"]
     half = down.rows(slice(0, down.scales.shape[0] // 2))
+    stacked = (
+        np.stack([getattr(half, a)] * config.num_layers) for a in ("codes", "scales", "offsets")
+    )
     with pytest.raises(ModelLoadError, match="w_down is .* block codes, not"):
         params_from_hf_tensors(
-            config, tensors.__getitem__, blocks={"w_down": (half,) * config.num_layers}
+            config, tensors.__getitem__, blocks={"w_down": QuantizedLinear(*stacked, half.bits)}
         )
 
 
@@ -626,9 +633,11 @@ def tiny_logits(config, weights) -> np.ndarray:
     from kernels_pallas.metadata import build_metadata, token_positions
     from kernels_pallas.xla_attention import ragged_paged_attention_xla
     from models.llama import forward_logits_jit
+    from pagedjax.core.memory import KVCacheSpec
 
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 13).astype(np.int32)
-    cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, np.float32)
+    cache = allocate_kv_cache(spec, 4, 8)
     logits, _ = forward_logits_jit(
         weights,
         config,
@@ -749,10 +758,10 @@ def test_tokenizer_missing_file(tmp_path: Path) -> None:
 def test_engine_runs_a_gguf_quantized_weights_as_stored(tmp_path: Path, monkeypatch) -> None:
     """An engine that loads a Q4_1 GGUF itself keeps its block codes (greedy tokens as with the
     float32 weights handed over as params); without the C++ kernel it keeps float32 weights."""
-    from kernels_pallas import cpu_kernels
-    from kernels_pallas.cpu_matmul import PackedWeight, QuantizedWeight
     from models.loader import load_model
     from pagedjax.config import EngineConfig
+    from pagedjax.cpu_native import build
+    from pagedjax.cpu_native.matmul import PackedWeight, QuantizedWeight
     from pagedjax.engine import LLMEngine
     from pagedjax.sampling_params import SamplingParams
     from tests.conftest import build_tiny_tokenizer
@@ -777,7 +786,5 @@ def test_engine_runs_a_gguf_quantized_weights_as_stored(tmp_path: Path, monkeypa
     assert isinstance(plain.runner.params["lm_head"], PackedWeight)
     assert greedy(quantized) == greedy(plain)
 
-    monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
-    assert isinstance(
-        LLMEngine(settings, tokenizer=tokenizer).runner.params["lm_head"], PackedWeight
-    )
+    monkeypatch.setattr(build, "available", lambda: False)
+    assert isinstance(LLMEngine(settings, tokenizer=tokenizer).runner.params["embed"], jax.Array)

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.kv_cache import PAD_SLOT, KVCache, allocate_kv_cache, write_kv
+from pagedjax.core.memory import KVCacheSpec
 
 
 def test_write_lands_in_slots_and_padding_writes_nothing():
     layers, heads, blocks, block_size, dim = 2, 3, 4, 4, 8
-    cache = allocate_kv_cache(layers, heads, blocks, block_size, dim)
+    cache = allocate_kv_cache(KVCacheSpec(layers, heads, dim, jnp.float32), blocks, block_size)
     k = jnp.arange(3 * heads * dim, dtype=jnp.float32).reshape(3, heads, dim) + 1
     v = -k
     slots = jnp.array([PAD_SLOT, 6, -7], jnp.int32)  # block 1 offset 2; two padding tokens
@@ -22,7 +23,7 @@ def test_write_lands_in_slots_and_padding_writes_nothing():
 
 
 def test_fp8_pool_quantizes_with_its_scales_on_write():
-    cache = allocate_kv_cache(2, 2, 3, 4, 8, jnp.float8_e4m3fn)
+    cache = allocate_kv_cache(KVCacheSpec(2, 2, 8, jnp.float8_e4m3fn), 3, 4)
     assert cache.k.dtype == jnp.float8_e4m3fn and cache.k_scale.shape == (2, 2)
     cache = KVCache(cache.k, cache.v, cache.k_scale.at[1, 1].set(0.5), cache.v_scale * 2)
     k = jnp.linspace(-3, 3, 2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)

@@ -14,11 +14,18 @@ from kernels_pallas.kv_cache import allocate_kv_cache
 from kernels_pallas.metadata import build_metadata, token_positions
 from kernels_pallas.reference import ragged_paged_attention
 from kernels_pallas.xla_attention import ragged_paged_attention_xla
-from models.llama import forward_logits_jit, pack_matmul_weights
+from models.llama import forward_logits_jit
 from models.loader import load_model
+from pagedjax.core.memory import KVCacheSpec
+from pagedjax.cpu_native.attention import CPU_NATIVE
+from pagedjax.cpu_native.matmul import pack_params
 from tests.conftest import TINY_MODELS
 
 TOLERANCE = 1e-4
+
+
+def kv_spec(config, dtype=jnp.float32) -> KVCacheSpec:
+    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
 
 
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
@@ -34,9 +41,7 @@ def test_full_prompt_logits_match_transformers(name, tiny_model_dir):
     prompt = rng.integers(0, config.vocab_size, 23).tolist()
     block_size = 8
     table = [3, 1, 4]  # deliberately out of order
-    cache = allocate_kv_cache(
-        config.num_layers, config.num_kv_heads, 6, block_size, config.head_dim
-    )
+    cache = allocate_kv_cache(kv_spec(config), 6, block_size)
     meta = build_metadata([len(prompt)], [len(prompt)], [table], block_size)
     logits, _ = forward_logits_jit(
         params,
@@ -60,16 +65,18 @@ SMALL_TILES = functools.partial(
 )
 
 
-@pytest.mark.parametrize("attention", ["reference", "xla"])
+@pytest.mark.parametrize("attention", ["reference", "xla", "cpu_native"])
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen2", "qwen3"])
 def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention, tiny_model_dir):
     """Three sequences share each step: prefill in uneven chunks, then decode one token at a time,
     through shuffled block tables, with padding tokens and a padding sequence in every step."""
     path, hf_model = tiny_model_dir(name)
     config, params = load_model(path)
-    attention_fn = ragged_paged_attention if attention == "reference" else SMALL_TILES
-    if attention == "xla":
-        params = pack_matmul_weights(params)
+    attention_fn = {"reference": ragged_paged_attention, "xla": SMALL_TILES}.get(
+        attention, CPU_NATIVE
+    )
+    if attention == "cpu_native":  # the CPU platform's whole path: packed weights too
+        params = pack_params(params)
     rng = np.random.default_rng(2)
     lengths = [19, 6, 26]
     seqs = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
@@ -78,9 +85,7 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention
     block_size, num_blocks = 4, 32
     free = rng.permutation(np.arange(1, num_blocks)).tolist()  # block 0 is the null block
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    cache = allocate_kv_cache(
-        config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim
-    )
+    cache = allocate_kv_cache(kv_spec(config), num_blocks, block_size)
     prompt_chunks = {0: [5, 9, 2], 1: [6], 2: [1, 11, 7]}  # prompts: the first 16, 6, 19 tokens
     done = [0, 0, 0]
     step = 0
@@ -137,9 +142,7 @@ def test_low_precision_kv_pools_stay_close_to_float32(tiny_model_dir, kv_dtype, 
     rows = np.arange(30, dtype=np.int32)
     logits = {}
     for dtype in (jnp.float32, kv_dtype):
-        cache = allocate_kv_cache(
-            config.num_layers, config.num_kv_heads, 6, 8, config.head_dim, dtype
-        )
+        cache = allocate_kv_cache(kv_spec(config, dtype), 6, 8)
         out, _ = forward_logits_jit(params, config, prompt, positions, cache, meta, rows)
         logits[dtype] = np.asarray(out)
     error = np.abs(logits[kv_dtype] - logits[jnp.float32]).max()
@@ -159,7 +162,7 @@ def test_float32_models_ask_for_float32_matmuls_on_the_gpu(tiny_model_dir, dtype
     path, _ = tiny_model_dir("llama")
     config, params = load_model(path)
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-    cache = allocate_kv_cache(config.num_layers, config.num_kv_heads, 4, 8, config.head_dim)
+    cache = allocate_kv_cache(kv_spec(config), 4, 8)
     meta = build_metadata([5], [5], [[1]], 8)
     args = (params, config, np.arange(5, dtype=np.int32), token_positions([5], [5], 5), cache)
     traced = forward_logits_jit.trace(*args, meta, np.array([4], np.int32))

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.sampler import (
-    _sample_xla,
-    _token_logprobs_xla,
-    build_sampling_metadata,
-    sample,
-    token_logprobs,
-    truncate,
-)
+from pagedjax.cpu_native import build, sampling
+from pagedjax.cpu_native.sampling import CPU_SAMPLING
+from pagedjax.sampler import XLA_SAMPLING, build_sampling_metadata, sample, truncate
 from pagedjax.sampling_params import SamplingParams
 
 V = 50
 
 
-def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0, sampler=sample):
+def run(
+    logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0, kernels=CPU_SAMPLING
+):
     n = len(params)
     prompts, outputs = prompts or [[]] * n, outputs or [[]] * n
     meta = build_sampling_metadata(
@@ -31,21 +27,14 @@ def run(logits, params, prompts=None, outputs=None, seeds=None, num_logprobs=0, 
         [len(p) for p in prompts],
         seeds if seeds is not None else list(range(n)),
     )
-    out = sampler(np.asarray(logits, np.float32), meta, num_logprobs=num_logprobs)
-    return out
+    return sample(np.asarray(logits, np.float32), meta, kernels, num_logprobs=num_logprobs)
 
 
 @pytest.fixture(params=["cpu_kernel", "xla"])
-def draw_with(request, monkeypatch):
-    """The sampler as the CPU runs it (the C++ draw), or as a GPU does (XLA's noise argmax): a
-    fresh jit of `sample` traced with the kernels switched off."""
-    if request.param == "cpu_kernel":
-        return sample
-    from kernels_pallas import cpu_sampling
-
-    monkeypatch.setattr(cpu_sampling, "supports", lambda logits: False)
-    statics = ("num_logprobs", "use_penalties", "use_truncation", "all_greedy")
-    return jax.jit(sample.__wrapped__, static_argnames=statics)
+def draw_with(request):
+    """The sampler's kernels as the CPU runs them (the C++ draw), or as a GPU does (XLA's
+    noise argmax)."""
+    return CPU_SAMPLING if request.param == "cpu_kernel" else XLA_SAMPLING
 
 
 def random_logits(rows, seed=0):
@@ -72,7 +61,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
 def test_token_logprobs_rank_any_token():
     logits = random_logits(3, seed=4)
     tokens = np.array([7, 0, V - 1], np.int32)
-    out = token_logprobs(logits, tokens, num_logprobs=2)
+    out = XLA_SAMPLING.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), 2)
     order = np.argsort(-logits, axis=-1)
     ranks = [1 + int(np.nonzero(order[r] == t)[0][0]) for r, t in enumerate(tokens)]
     np.testing.assert_array_equal(np.asarray(out.ranks), ranks)
@@ -95,12 +84,12 @@ def test_seeded_draws_do_not_depend_on_the_batch(draw_with):
     logits = random_logits(6)
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
     alone = [
-        int(run(logits[i : i + 1], params[i : i + 1], seeds=[i], sampler=draw_with).token_ids[0])
+        int(run(logits[i : i + 1], params[i : i + 1], seeds=[i], kernels=draw_with).token_ids[0])
         for i in (1, 4)
     ]
-    together = run(logits, params, seeds=list(range(6)), sampler=draw_with).token_ids
+    together = run(logits, params, seeds=list(range(6)), kernels=draw_with).token_ids
     reordered = run(
-        logits[[4, 0, 1]], [params[i] for i in (4, 0, 1)], seeds=[4, 0, 1], sampler=draw_with
+        logits[[4, 0, 1]], [params[i] for i in (4, 0, 1)], seeds=[4, 0, 1], kernels=draw_with
     ).token_ids
     assert alone == [int(together[1]), int(together[4])]
     assert alone == [int(reordered[2]), int(reordered[0])]
@@ -109,7 +98,7 @@ def test_seeded_draws_do_not_depend_on_the_batch(draw_with):
 def test_draws_follow_the_distribution_and_seeds_differ(draw_with):
     logits = np.tile(random_logits(1, seed=3) / 2, (2000, 1))
     params = [SamplingParams(temperature=1.0)] * 2000
-    tokens = np.asarray(run(logits, params, seeds=list(range(2000)), sampler=draw_with).token_ids)
+    tokens = np.asarray(run(logits, params, seeds=list(range(2000)), kernels=draw_with).token_ids)
     probs = np.exp(logits[0] - logits[0].max())
     probs /= probs.sum()
     freq = np.bincount(tokens, minlength=V) / len(tokens)
@@ -128,7 +117,7 @@ def test_top_k_top_p_min_p_restrict_the_support(draw_with):
         (dict(min_p=1.0), {order[0]}),
     ):
         params = [SamplingParams(temperature=5.0, **kwargs)] * n
-        out = run(batch, params, seeds=list(range(n)), sampler=draw_with)
+        out = run(batch, params, seeds=list(range(n)), kernels=draw_with)
         tokens = set(np.asarray(out.token_ids).tolist())
         assert tokens <= allowed and tokens, (kwargs, tokens)
 
@@ -137,7 +126,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(draw_with):
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)], np.float32))
     n = 600
     params = [SamplingParams(temperature=1.0, top_p=0.7)] * n
-    out = run(np.tile(logits, (n, 1)), params, seeds=list(range(n)), sampler=draw_with)
+    out = run(np.tile(logits, (n, 1)), params, seeds=list(range(n)), kernels=draw_with)
     tokens = np.asarray(out.token_ids)
     assert set(tokens.tolist()) == {0, 1}
 
@@ -231,11 +220,9 @@ def _truncate_by_sorting(logits: np.ndarray, top_k: int, top_p: float, min_p: fl
 
 def _kept_by_the_cpu_kernel(logits: np.ndarray, meta) -> np.ndarray:
     """The C++ sampler's kept tokens: those at or above its threshold (scaled logits)."""
-    from kernels_pallas import cpu_kernels, cpu_sampling
-
-    assert cpu_kernels.available()
+    assert build.available()
     rows = logits.shape[0]
-    tokens, thresholds = cpu_sampling.random_sample(
+    tokens, thresholds = sampling.random_sample(
         jnp.asarray(logits),
         meta.temperature,
         meta.top_k,
@@ -280,9 +267,7 @@ def test_truncation_without_a_sort_matches_sorting(implementation):
 def test_cpu_sampling_kernel_survives_rows_without_finite_logits():
     """NaN and inf rows (finished with an error by the engine) still give in-range tokens, and
     a NaN does not break top-k's selection."""
-    from kernels_pallas import cpu_kernels, cpu_sampling
-
-    assert cpu_kernels.available()
+    assert build.available()
     logits = np.random.default_rng(8).normal(size=(5, 1003)).astype(np.float32)
     logits[0, ::3] = np.nan
     logits[1, :] = np.nan
@@ -290,7 +275,7 @@ def test_cpu_sampling_kernel_survives_rows_without_finite_logits():
     logits[3, :] = -np.inf
     bits = np.random.default_rng(9).integers(0, 2**32, (5, 2), dtype=np.uint64)
     for top_k, top_p, min_p in ((5, 1.0, 0.0), (0, 0.9, 0.0), (50, 0.5, 0.05)):
-        tokens, _ = cpu_sampling.random_sample(
+        tokens, _ = sampling.random_sample(
             jnp.asarray(logits),
             jnp.ones(5, jnp.float32),
             jnp.full(5, top_k, jnp.int32),
@@ -316,9 +301,7 @@ def test_cpu_greedy_kernel_matches_xla():
     bias + argmax + finite check: ties (the first index wins), biases that lift a token over
     the top, ban the top (the kernel's copy path) or repeat an id, rows with NaN or inf, and
     a vocabulary that is not a multiple of 8."""
-    from kernels_pallas import cpu_kernels, cpu_sampling
-
-    assert cpu_kernels.available()
+    assert build.available()
     vocab = 1003
     logits = np.random.default_rng(5).normal(0, 2, (10, vocab)).astype(np.float32)
     logits[1, [7, 500, 900]] = 50.0  # ties: the first wins
@@ -350,10 +333,8 @@ def test_cpu_greedy_kernel_matches_xla():
     ids[8, -1], values[8, -1] = 40, 30.0
     meta = dataclasses.replace(meta, bias_token_ids=ids, bias_values=values)
 
-    tokens, finite = cpu_sampling.greedy_sample(jnp.asarray(logits), ids, values)
-    want_tokens, want_finite = _sample_xla(
-        jnp.asarray(logits), meta, use_penalties=False, use_truncation=False, all_greedy=True
-    )
+    tokens, finite = sampling.greedy_sample(jnp.asarray(logits), ids, values)
+    want_tokens, want_finite = XLA_SAMPLING.greedy(jnp.asarray(logits), ids, values)
     finite = np.asarray(finite)
     np.testing.assert_array_equal(finite, np.asarray(want_finite))
     np.testing.assert_array_equal(finite, np.isfinite(logits).all(-1))
@@ -363,7 +344,9 @@ def test_cpu_greedy_kernel_matches_xla():
               values[ids >= 0])  # fmt: skip
     np.testing.assert_array_equal(np.asarray(tokens)[finite], dense.argmax(-1)[finite])
     assert list(np.asarray(tokens)[[0, 1, 2, 8]]) == [5, 500, 0, 40]
-    out = sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
+    out = sample(
+        logits, meta, CPU_SAMPLING, use_penalties=False, use_truncation=False, all_greedy=True
+    )
     np.testing.assert_array_equal(np.asarray(out.token_ids), np.asarray(tokens))
 
 
@@ -372,17 +355,15 @@ def test_cpu_logprobs_kernel_matches_xla(num_logprobs):
     """The C++ log-softmax pass (logprobs and prompt logprobs on the CPU) against XLA's: ties at
     the top (the lower index first), a row of equal logits, tokens in the scalar tail of a
     vocabulary that is not a multiple of 8."""
-    from kernels_pallas import cpu_kernels, cpu_sampling
-
-    assert cpu_kernels.available()
+    assert build.available()
     vocab = 1003
     logits = np.random.default_rng(6).normal(0, 3, (9, vocab)).astype(np.float32)
     logits[1, [900, 7, 500]] = 50.0
     logits[2, :] = 1.0
     logits[3, 1001] = 60.0
     tokens = np.array([4, 500, 999, 1001, 1002, 0, 17, 640, 333], np.int32)
-    got = cpu_sampling.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
-    want = _token_logprobs_xla(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
+    got = sampling.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
+    want = XLA_SAMPLING.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), num_logprobs)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want.logprobs), atol=1e-6)
     chosen = logits[np.arange(9), tokens][:, None]
     np.testing.assert_array_equal(np.asarray(got[1]), 1 + (logits > chosen).sum(-1))

@@ -2,11 +2,11 @@
 
 Every jitted call sees one of a few shapes: tokens padded to a bucket T, sequences to
 S = min(T, max_num_seqs rounded up), sample rows to S, block copies to 0 or a power of two.
-The block-table width is max_model_len's for the XLA attention, whose loops stop at each
-sequence's real context; for the other backends, whose cost grows with the width, it is a
-power-of-two bucket B that follows the longest context in the step. Host buffers are
-preallocated numpy arrays filled in place; the KV pool is donated, so it is updated in place.
-Only sampled token ids (and requested logprobs) come back to the host.
+The block-table width is max_model_len's for a backend whose cost follows each sequence's
+real context; for the others it is a power-of-two bucket B that follows the longest context
+in the step. Host buffers are preallocated numpy arrays filled in place; the KV pool is
+donated, so it is updated in place. Only sampled token ids (and requested logprobs) come back
+to the host.
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.backend import AttentionBackend
 from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT, allocate_kv_cache, copy_blocks
-from kernels_pallas.metadata import AttentionMetadata
-from kernels_pallas.xla_attention import ragged_paged_attention_xla
+from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from models.config import ModelConfig
-from models.llama import AttentionFn, Params, forward_logits, pack_matmul_weights
+from models.llama import Params, forward_logits
+from pagedjax.config import EngineConfig
+from pagedjax.core.memory import KVCacheSpec
 from pagedjax.sampler import (
     SamplerOutput,
+    SamplingKernels,
     TokenLogprobs,
     build_sampling_metadata,
     needs_penalties,
@@ -38,10 +41,6 @@ from pagedjax.sampler import (
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def power_of_two_at_least(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -66,17 +65,13 @@ def activation_bytes(
     params: Params,
     num_tokens: int,
     max_blocks_per_seq: int,
-    attention_fn: AttentionFn = ragged_paged_attention_xla,
-    kv_dtype: jnp.dtype = jnp.float32,
+    attention: AttentionBackend,
+    kv_spec: KVCacheSpec,
 ) -> int:
     """Peak temporary memory of the forward at `num_tokens` tokens, from XLA's compiled memory
     analysis (compiled, never run) with a minimal pool, whose size does not change the
     temporaries. Used to size the KV pool from the device memory that is left."""
-    cache = jax.eval_shape(
-        lambda: allocate_kv_cache(
-            config.num_layers, config.num_kv_heads, 2, 16, config.head_dim, kv_dtype
-        )
-    )
+    cache = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, 16))
     ints = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
     seqs = min(num_tokens, 256)
     metadata = AttentionMetadata(
@@ -89,21 +84,15 @@ def activation_bytes(
     )
     rows = jax.ShapeDtypeStruct((seqs,), jnp.int32)
     forward = jax.jit(forward_logits, static_argnames=("config", "attention_fn"))
-    compiled = forward.lower(
-        params, config, ints, ints, cache, metadata, rows, attention_fn
-    ).compile()
+    compiled = forward.lower(params, config, ints, ints, cache, metadata, rows, attention).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-# One jitted step for all runners: engines over the same model and shapes share compilations.
-_forward_traces = [0]
-
-
+# Module-level, so engines over the same model and shapes share its compilations.
 @partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("kv_cache",))
 def _forward_step(
     params, token_ids, positions, kv_cache, metadata, rows, copies, config, attention_fn
 ):
-    _forward_traces[0] += 1  # a Python side effect runs once per trace, i.e. per compilation
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
     return forward_logits(
@@ -149,40 +138,33 @@ def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
 
 
 class ModelRunner:
+    """Owns the KV pool and the bucketed step; `execute` runs one scheduled step."""
+
     def __init__(
         self,
-        config: ModelConfig,
+        config: EngineConfig,
+        model_config: ModelConfig,
         params: Params,
-        *,
+        kv_spec: KVCacheSpec,
         num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        attention_fn: AttentionFn = ragged_paged_attention_xla,
-        kv_dtype: jnp.dtype = jnp.float32,
+        attention: AttentionBackend,
+        sampling: SamplingKernels,
     ):
-        if jax.default_backend() == "cpu":  # see pack_matmul_weights
-            params = pack_matmul_weights(params)
-        self.config, self.params, self.attention_fn = config, params, attention_fn
-        self.block_size = block_size
-        self.kv_cache = allocate_kv_cache(
-            config.num_layers,
-            config.num_kv_heads,
-            num_blocks,
-            block_size,
-            config.head_dim,
-            kv_dtype,
-        )
-        self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.max_seqs_bucket = power_of_two_at_least(max_num_seqs)
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.width_buckets = sorted(
-            {min(power_of_two_at_least(w), self.max_blocks_per_seq) for w in (16, 32, 64, 128)}
-            | {self.max_blocks_per_seq}
-        )
-        if attention_fn is ragged_paged_attention_xla:
+        self.config, self.params = model_config, params
+        self.attention, self.sampling = attention, sampling
+        self.kv_spec = kv_spec
+        self.block_size = block_size = config.block_size
+        self.kv_cache = allocate_kv_cache(kv_spec, num_blocks, block_size)
+        self.token_buckets = token_buckets(config.max_num_batched_tokens)
+        self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
+        self.max_blocks_per_seq = -(-config.max_model_len // block_size)
+        if attention.cost_follows_context:
             self.width_buckets = [self.max_blocks_per_seq]
+        else:
+            self.width_buckets = sorted(
+                {min(w, self.max_blocks_per_seq) for w in (16, 32, 64, 128)}
+                | {self.max_blocks_per_seq}
+            )
         max_tokens, max_seqs = self.token_buckets[-1], self.max_seqs_bucket
         self._tokens = np.zeros(max_tokens, np.int32)
         self._positions = np.zeros(max_tokens, np.int32)
@@ -190,10 +172,10 @@ class ModelRunner:
         self._tables = np.full((max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
-        self.num_compilations = 0  # traces this runner triggered (the jit cache is shared)
+        self.num_compilations = 0  # compilations this runner's steps triggered
 
     def _forward(self, params, token_ids, positions, kv_cache, metadata, rows, copies):
-        traces = _forward_traces[0]
+        cached = _forward_step._cache_size()  # the shared step's compiled shapes so far
         out = _forward_step(
             params,
             token_ids,
@@ -203,9 +185,9 @@ class ModelRunner:
             rows,
             copies,
             config=self.config,
-            attention_fn=self.attention_fn,
+            attention_fn=self.attention,
         )
-        self.num_compilations += _forward_traces[0] - traces
+        self.num_compilations += _forward_step._cache_size() - cached
         return out
 
     def _bucket_tokens(self, num_tokens: int) -> int:
@@ -269,7 +251,7 @@ class ModelRunner:
         query_start[0] = 0
         query_start[1 : len(seqs) + 1] = ends
         copies = np.full(
-            (power_of_two_at_least(len(block_copies)) if block_copies else 0, 2),
+            (next_power_of_2(len(block_copies)) if block_copies else 0, 2),
             NULL_BLOCK,
             np.int32,
         )
@@ -285,7 +267,7 @@ class ModelRunner:
             num_seqs=np.int32(len(seqs)),
             num_tokens=np.int32(num_tokens),
         )
-        r_pad = max(t_pad if rows_for_every_token else s_pad, power_of_two_at_least(num_rows))
+        r_pad = max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
         return tokens.copy(), positions.copy(), metadata, r_pad, copies
 
     def execute(
@@ -316,12 +298,14 @@ class ModelRunner:
         )
         prompt = None
         if prompt_rows:
-            p_pad = power_of_two_at_least(len(prompt_rows))
+            p_pad = next_power_of_2(len(prompt_rows))
             which = np.zeros(p_pad, np.int32)
             which[: len(prompt_rows)] = range(len(rows), num_rows)
             padded_targets = np.zeros(p_pad, np.int32)
             padded_targets[: len(targets)] = targets
-            prompt = prompt_logprobs(logits, which, padded_targets, num_prompt_logprobs or 0)
+            prompt = prompt_logprobs(
+                logits, which, padded_targets, num_prompt_logprobs or 0, self.sampling
+            )
         if not rows:
             empty = np.zeros(0, np.int32), np.zeros(0, bool)
             return StepResult(*empty, None, _fetch(prompt, len(targets)))
@@ -340,6 +324,7 @@ class ModelRunner:
         out: SamplerOutput = sample(
             logits,
             meta,
+            self.sampling,
             num_logprobs=num_logprobs,
             use_penalties=needs_penalties(params),
             use_truncation=needs_truncation(params),
@@ -355,15 +340,7 @@ class ModelRunner:
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool, when a failed step left the donated one unusable."""
-        cache = self.kv_cache
-        self.kv_cache = allocate_kv_cache(
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            cache.k.shape[2],
-            self.block_size,
-            self.config.head_dim,
-            cache.k.dtype,
-        )
+        self.kv_cache = allocate_kv_cache(self.kv_spec, self.kv_cache.num_blocks, self.block_size)
 
     def kv_cache_lost(self) -> bool:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
@@ -395,7 +372,14 @@ class ModelRunner:
                 )
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
-            sample(logits, meta, use_penalties=False, use_truncation=False, all_greedy=True)
+            sample(
+                logits,
+                meta,
+                self.sampling,
+                use_penalties=False,
+                use_truncation=False,
+                all_greedy=True,
+            )
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - start
         logger.info("warmup: %d compilations in %.1f s", self.num_compilations, elapsed)

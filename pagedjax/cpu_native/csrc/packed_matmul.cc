@@ -1,5 +1,5 @@
 // x @ w for XLA:CPU with w packed once at load time, called through the XLA FFI (see
-// cpu_matmul.py).
+// matmul.py).
 //
 // XLA:CPU repacks the weight operand of every dot into its GEMM's layout, on every call, which
 // at decode's few rows costs as much as the arithmetic: the default model's matmul chain ran

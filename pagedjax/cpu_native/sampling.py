@@ -1,30 +1,27 @@
-"""Sampling and token logprobs as C++ kernels for XLA:CPU (`cpu/greedy_sample.cc`,
-`cpu/random_sample.cc`, `cpu/token_logprobs.cc`), built by `cpu_kernels`.
+"""The sampler's passes as C++ kernels for XLA:CPU (`csrc/greedy_sample.cc`,
+`csrc/random_sample.cc`, `csrc/token_logprobs.cc`): the CPU platform's `SamplingKernels`.
 
 XLA:CPU runs `argmax` as a variadic (value, index) reduction that it does not vectorize, and
-the finite check is a second pass over the [S, V] logits: 10-15 ms for 64 rows of a 49k
-vocabulary. The greedy kernel does both in one vectorized pass per row, and applies the sparse
-logit bias without writing the row. XLA:CPU's truncation bisects in 32 masked passes per rule,
-draws a threefry noise value per token, and runs exp as a scalar loop on one thread (0.4-0.7 s
-to sample, 215 ms for log-softmax logprobs, at 256 and 512 rows of a 49k vocabulary); the
-other two kernels take 20-70 and 14 ms.
+the finite check is a second pass over the [S, V] logits; the greedy kernel does both in one
+vectorized pass per row, and applies the sparse logit bias without writing the row. XLA:CPU's
+truncation bisects in 32 masked passes per rule, draws a threefry noise value per token, and
+runs exp as a scalar loop on one thread; the other two kernels run each row once, vectorized,
+on XLA's intra-op threads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import cpu_kernels
+from pagedjax.cpu_native import build
+from pagedjax.sampler import SamplingMetadata, TokenLogprobs, row_key
 
 TARGET = "pagedjax_greedy_sample"
 LOGPROBS_TARGET = "pagedjax_token_logprobs"
 RANDOM_TARGET = "pagedjax_random_sample"
-
-
-def supports(logits: jax.Array) -> bool:
-    """Float32 logits on the CPU, with the kernel built."""
-    return logits.dtype == jnp.float32 and cpu_kernels.usable()
 
 
 def greedy_sample(
@@ -33,9 +30,9 @@ def greedy_sample(
     bias_values: jax.Array,  # [S, B] float32
 ) -> tuple[jax.Array, jax.Array]:  # tokens [S] int32, finite [S] bool
     """argmax(logits + bias) per row (the first index of the largest, as jnp.argmax), and
-    whether each raw row is free of NaN and inf; call when `supports`."""
+    whether each raw row is free of NaN and inf."""
     rows = logits.shape[0]
-    call = jax.ffi.ffi_call(
+    call = build.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)),
     )
@@ -48,10 +45,9 @@ def token_logprobs(
     num_logprobs: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(logprobs [R], ranks [R], top ids [R, k], top logprobs [R, k]) of the log-softmax of
-    each row: as `pagedjax.sampler.token_logprobs`, ranks counted on the logits; call when
-    `supports`."""
+    each row, ranks counted on the logits (as `pagedjax.sampler.XlaSampling`)."""
     rows = logits.shape[0]
-    call = jax.ffi.ffi_call(
+    call = build.ffi_call(
         LOGPROBS_TARGET,
         (
             jax.ShapeDtypeStruct((rows,), jnp.float32),
@@ -73,9 +69,9 @@ def random_sample(
 ) -> tuple[jax.Array, jax.Array]:  # tokens [S] int32, thresholds [S] float32
     """One token per row from the temperature-scaled, truncated distribution (as
     `pagedjax.sampler.truncate`), drawn by inverse CDF from 53 of the bits; greedy rows take
-    the argmax. Also each row's smallest kept scaled logit. Call when `supports`."""
+    the argmax. Also each row's smallest kept scaled logit."""
     rows = logits.shape[0]
-    call = jax.ffi.ffi_call(
+    call = build.ffi_call(
         RANDOM_TARGET,
         (
             jax.ShapeDtypeStruct((rows,), jnp.int32),
@@ -90,3 +86,33 @@ def random_sample(
         min_p.astype(jnp.float32),
         bits.astype(jnp.uint32),
     )
+
+
+@dataclass(frozen=True)
+class CpuSampling:
+    """SamplingKernels by the C++ passes; rows without truncation carry no-op values (top_k
+    0, top_p 1, min_p 0), so one pass serves every batch."""
+
+    def greedy(
+        self, logits: jax.Array, bias_token_ids: jax.Array, bias_values: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        return greedy_sample(logits, bias_token_ids, bias_values)
+
+    def draw(
+        self, logits: jax.Array, meta: SamplingMetadata, use_truncation: bool, all_greedy: bool
+    ) -> jax.Array:
+        bits = jax.vmap(lambda seed, step: jax.random.bits(row_key(seed, step), (2,)))(
+            meta.seeds, meta.steps
+        )
+        tokens, _ = random_sample(
+            logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, bits
+        )
+        return tokens
+
+    def token_logprobs(
+        self, logits: jax.Array, tokens: jax.Array, num_logprobs: int
+    ) -> TokenLogprobs:
+        return TokenLogprobs(*token_logprobs(logits, tokens, num_logprobs))
+
+
+CPU_SAMPLING = CpuSampling()

@@ -1,10 +1,10 @@
-"""Builds and registers the C++ kernels for XLA:CPU (`cpu/*.cc`), called through the XLA FFI.
+"""Builds and registers the C++ kernels for XLA:CPU (`csrc/*.cc`), called through the XLA FFI.
 
 The sources are compiled together with the system C++ compiler on first use, against the FFI
 headers that jaxlib ships, into one library in a cache directory keyed by the sources and the
-jax version (several seconds, once). If no compiler is found or the build fails, `available()`
-is False, a warning says why, and callers take their XLA path instead;
-`PAGEDJAX_DISABLE_CPU_KERNEL=1` does the same on purpose.
+jax version, so the build runs once per machine. If no compiler is found or the build fails,
+`available()` is False and a warning says why: the CPU platform then runs XLA instead
+(`pagedjax/platforms/cpu.py`). `PAGEDJAX_DISABLE_CPU_KERNEL=1` does the same on purpose.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
-SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cc"))
-HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cc"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # FFI target name -> the handler symbol the sources export.
 TARGETS = {
     "pagedjax_paged_attention": "PagedAttention",
@@ -81,6 +83,11 @@ def available() -> bool:
     return True
 
 
-def usable() -> bool:
-    """Whether the kernels run here: the CPU backend, and built."""
-    return jax.default_backend() == "cpu" and available()
+def ffi_call(target: str, result_shape_dtypes) -> Callable[..., Any]:
+    """`jax.ffi.ffi_call` of one of these kernels, built and registered first."""
+    if not available():
+        raise RuntimeError(
+            f"the C++ CPU kernel {target} is not available here (see the warning above); "
+            "run on the CPU platform's XLA path instead"
+        )
+    return jax.ffi.ffi_call(target, result_shape_dtypes)

@@ -1,6 +1,6 @@
-"""The packed-weight matmul (the CPU runner's matmuls) against numpy, through the C++ kernel and
-through the XLA fallback on the same panels; block-quantized weights against their float32
-values."""
+"""The CPU platform's packed-weight matmuls (the C++ kernel) against numpy; block-quantized
+weights, packed for the kernel and as `models.weights.QuantizedLinear` in XLA, against their
+float32 values."""
 
 from __future__ import annotations
 
@@ -9,41 +9,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import cpu_kernels, cpu_matmul
-from kernels_pallas.cpu_matmul import pack, pack_blocks, packed_columns, packed_matmul
+from models.weights import QuantizedLinear
+from pagedjax.cpu_native import build, matmul
+from pagedjax.cpu_native.matmul import pack, pack_blocks
 
 # Rows below, at and past the kernel's 4-row tile; columns inside one panel, filling panels,
 # and ending mid-panel; odd inner sizes.
 SHAPES = [(1, 64, 100), (3, 33, 24), (4, 7, 49), (9, 128, 96), (32, 576, 1000), (130, 40, 30)]
 
 
-@pytest.mark.parametrize("kernel", [True, False])
+def test_the_kernels_build_here():
+    assert build.available()
+
+
 @pytest.mark.parametrize("rows,inner,columns", SHAPES)
-def test_matches_numpy(rows, inner, columns, kernel, monkeypatch):
-    if kernel:
-        assert cpu_kernels.usable()  # the kernel builds here, so these cases run it
-    else:
-        monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
+def test_matches_numpy(rows, inner, columns):
     rng = np.random.default_rng(rows * 1000 + columns)
     x = rng.normal(size=(rows, inner)).astype(np.float32)
     w = rng.normal(size=(inner, columns)).astype(np.float32)
     packed = pack(jnp.asarray(w))
-    assert packed.panels.shape == (-(-columns // cpu_matmul.PANEL), inner, cpu_matmul.PANEL)
-    out = jax.jit(packed_matmul)(jnp.asarray(x), packed)
+    assert packed.panels.shape == (-(-columns // matmul.PANEL), inner, matmul.PANEL)
+    out = jax.jit(type(packed).matmul)(packed, jnp.asarray(x))
     assert out.shape == (rows, columns) and out.dtype == jnp.float32
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
-
-
-def test_other_dtypes_take_the_xla_path():
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(5, 16)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(16, 30)), jnp.bfloat16)
-    out = packed_matmul(x, pack(w))
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(x @ w, np.float32), rtol=2e-2, atol=2e-2
-    )
 
 
 def random_blocks(rng, inner: int, columns: int, bits: int):
@@ -72,27 +61,37 @@ BLOCK_SHAPES = [(1, 64, 100), (3, 32, 24), (4, 96, 49), (9, 128, 96), (130, 64, 
 def test_block_quantized_weight_computes_its_float32_products(rows, inner, columns, bits):
     """Same sums as the float32 panels of the same weight, bit for bit: the kernel widens each
     code exactly and runs the float32 tile."""
-    assert cpu_kernels.usable()
     rng = np.random.default_rng(rows * 100 + bits)
     codes, scales, offsets, weight = random_blocks(rng, inner, columns, bits)
     quantized = pack_blocks(codes, scales, offsets, bits)
     assert quantized.codes.shape == (-(-columns // 24), inner * bits // 8, 24)
     x = jnp.asarray(rng.normal(size=(rows, inner)).astype(np.float32))
-    got = np.asarray(jax.jit(packed_matmul)(x, quantized))
-    assert np.array_equal(got, np.asarray(jax.jit(packed_matmul)(x, pack(weight))))
+    got = np.asarray(jax.jit(type(quantized).matmul)(quantized, x))
+    float32 = pack(weight)
+    assert np.array_equal(got, np.asarray(jax.jit(type(float32).matmul)(float32, x)))
     ids = jnp.asarray([0, columns - 1, columns // 2])
-    assert np.array_equal(np.asarray(packed_columns(quantized, ids)), weight[:, ids].T)
+    assert np.array_equal(np.asarray(quantized.take_columns(ids)), weight[:, ids].T)
+    assert np.array_equal(np.asarray(float32.take_columns(ids)), weight[:, ids].T)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_block_quantized_xla_fallback(bits, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
+def test_quantized_linear_widens_exactly_in_xla(bits):
+    """The platform-free QuantizedLinear (the file's [N, K] codes): its weight is the float32
+    weight bit for bit, so are its columns, and its products are the float32 products."""
     rng = np.random.default_rng(bits)
     codes, scales, offsets, weight = random_blocks(rng, 96, 50, bits)
+    linear = QuantizedLinear(*(jnp.asarray(a.T) for a in (codes, scales, offsets)), bits)
+    ids = jnp.asarray([0, 49, 7])
+    assert np.array_equal(np.asarray(linear.take_columns(ids)), weight[:, ids].T)
     x = rng.normal(size=(5, 96)).astype(np.float32)
-    out = packed_matmul(jnp.asarray(x), pack_blocks(codes, scales, offsets, bits))
+    out = jax.jit(QuantizedLinear.matmul)(linear, jnp.asarray(x))
     want = x.astype(np.float64) @ weight.astype(np.float64)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    stacked = QuantizedLinear(
+        *(jnp.stack([a, a]) for a in (linear.codes, linear.scales, linear.offsets)), bits
+    )
+    layer_out = jax.jit(QuantizedLinear.layer_matmul)(stacked, jnp.asarray(x), jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(layer_out), np.asarray(out))
 
 
 def test_pack_blocks_rejects_inconsistent_shapes():

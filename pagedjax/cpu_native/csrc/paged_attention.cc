@@ -1,4 +1,4 @@
-// Ragged paged attention for XLA:CPU, called through the XLA FFI (see cpu_attention.py): every
+// Ragged paged attention for XLA:CPU, called through the XLA FFI (see attention.py): every
 // row of a step, decode rows and prefill chunks, read from the paged pool in place.
 //
 // XLA:CPU cannot fuse a page gather into a dot: the XLA loops copy every page of a tile, then
@@ -23,7 +23,7 @@
 //   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; layer [1]; window [1] (<= 0: none);
 //   block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
 // Output: [T, Hq, D]; rows of padding tokens are zero.
-// D must be a multiple of 8 and Hq / Hkv at most 8 (cpu_attention.supports checks both).
+// D must be a multiple of 8 and Hq / Hkv at most 8 (attention.supports checks both).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

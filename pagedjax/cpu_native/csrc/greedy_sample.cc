@@ -1,4 +1,4 @@
-// Greedy sampling for XLA:CPU, called through the XLA FFI (see cpu_sampling.py): per row of
+// Greedy sampling for XLA:CPU, called through the XLA FFI (see sampling.py): per row of
 // logits, whether every raw logit is finite, and the argmax after a sparse logit bias, in one
 // pass over the row. XLA:CPU runs argmax as a variadic (value, index) reduction that it does
 // not vectorize, plus a second pass for the finite check: 10-15 ms for 64 rows of a 49k

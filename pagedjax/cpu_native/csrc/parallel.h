@@ -1,4 +1,4 @@
-// Shared by the C++ CPU kernels (cpu/*.cc): the AVX2 switch, and a parallel loop over XLA's
+// Shared by the C++ CPU kernels (csrc/*.cc): the AVX2 switch, and a parallel loop over XLA's
 // intra-op thread pool.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Logprobs of given tokens for XLA:CPU, called through the XLA FFI (see cpu_sampling.py): per
+// Logprobs of given tokens for XLA:CPU, called through the XLA FFI (see sampling.py): per
 // row of logits, log-softmax at the row's token, the token's rank, and the k most likely
 // tokens with their logprobs. XLA:CPU runs the log-softmax's exp-and-sum as a scalar loop on
 // one thread (about 4 ns an element: 140 ms for 512 rows of a 49k vocabulary); here the exp is

@@ -1,0 +1,162 @@
+"""Matmuls against weights packed once at load time, by the C++ kernel `csrc/packed_matmul.cc`.
+
+XLA:CPU repacks a dot's weight operand on every call, which at decode's few rows costs about
+as much as the arithmetic, and copies a stacked weight's layer slice before using it. So the
+CPU platform packs every matmul weight once (`pack_params`): each layer's weight becomes
+panels of 24 output columns (`PackedWeight`), or, for a GGUF's block-quantized weight, the
+same panels of its code bytes with a scale and offset per 32 inputs (`QuantizedWeight`, widened
+exactly in the kernel). A stacked weight becomes `PackedLayers`, whose layer is chosen by a
+`lax.switch`, so each layer's panels are read in place. All three implement the weight
+methods of `models/weights.py`, so the model runs them as it runs plain arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import MATMUL_WEIGHTS, Params
+from models.weights import QuantizedLinear, widen_blocks
+from pagedjax.cpu_native import build
+
+TARGET = "pagedjax_packed_matmul"
+QUANTIZED_TARGET = "pagedjax_quantized_matmul"
+PANEL = 24  # output columns per panel (the kernel's register tile is 4 rows x 24 columns)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A float32 [K, N] weight as panels [P, K, 24]: panels[p, k, c] = w[k, p * 24 + c], zero
+    past N."""
+
+    panels: jax.Array
+    columns: int = dataclasses.field(metadata=dict(static=True))
+
+    def matmul(self, x: jax.Array) -> jax.Array:  # [M, K] float32 -> [M, N]
+        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
+        call = build.ffi_call(TARGET, out_shape)
+        return call(x.astype(jnp.float32), self.panels, columns=np.int64(self.columns))
+
+    def take_columns(self, ids: jax.Array) -> jax.Array:  # [R] -> [R, K]
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A [K, N] weight w[k, n] = code * scale + offset, as panels of 24 columns like
+    PackedWeight:
+
+    codes    [P, K / 2, 24] uint8 (4-bit, in GGUF's nibble order) or [P, K, 24] (8-bit: int8)
+    scales   [P, K / 32, 24] float32, one per 32 k and column
+    offsets  [P, K / 32, 24] float32
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    offsets: jax.Array
+    columns: int = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))
+
+    def matmul(self, x: jax.Array) -> jax.Array:  # [M, K] float32 -> [M, N]
+        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
+        call = build.ffi_call(QUANTIZED_TARGET, out_shape)
+        return call(
+            x.astype(jnp.float32),
+            self.codes,
+            self.scales,
+            self.offsets,
+            columns=np.int64(self.columns),
+            bits=np.int64(self.bits),
+        )
+
+    def take_columns(self, ids: jax.Array) -> jax.Array:  # [R] -> [R, K]
+        panel, column = ids // PANEL, ids % PANEL
+        picked = (a[panel, :, column] for a in (self.codes, self.scales, self.offsets))
+        return widen_blocks(*picked, self.bits)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedLayers:
+    """One packed weight per layer: multiplied through a `lax.switch` on the traced layer
+    index, which reads the chosen layer's panels in place."""
+
+    layers: tuple[PackedWeight | QuantizedWeight, ...]
+
+    def layer_matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        branches = [lambda x, w=w: w.matmul(x) for w in self.layers]
+        return jax.lax.switch(layer, branches, x)
+
+
+def _panels(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], zero past N."""
+    k, n = w.shape
+    num_panels, full = -(-n // PANEL), n // PANEL
+    panels = np.zeros((num_panels, k, PANEL), w.dtype)
+    panels[:full] = w[:, : full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2)
+    if full < num_panels:
+        panels[full, :, : n - full * PANEL] = w[:, full * PANEL :]
+    return panels
+
+
+def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
+    """[K, N] float32 -> PackedWeight. Laid out with numpy on the host: at load time, eager
+    jnp ops per weight would cost a dispatch (and a cached executable) each."""
+    w = np.asarray(weight, np.float32)
+    return PackedWeight(jax.device_put(_panels(w)), w.shape[1])
+
+
+def pack_blocks(
+    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int
+) -> QuantizedWeight:
+    """codes [K * bits / 8, N] bytes (in QuantizedWeight's order), scales and offsets
+    [K / 32, N] float32 -> QuantizedWeight. Past N all are zero: a zero weight."""
+    k, n = scales.shape[0] * 32, scales.shape[1]
+    if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
+        raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
+    return QuantizedWeight(
+        jax.device_put(_panels(np.asarray(codes).view(np.uint8))),
+        jax.device_put(_panels(np.asarray(scales, np.float32))),
+        jax.device_put(_panels(np.asarray(offsets, np.float32))),
+        n,
+        bits,
+    )
+
+
+def _pack_one(w: jax.Array | QuantizedLinear) -> PackedWeight | QuantizedWeight:
+    """A [K, N] float weight, or a [N, K]-oriented QuantizedLinear, packed."""
+    if isinstance(w, QuantizedLinear):
+        codes, scales, offsets = (np.asarray(a).T for a in (w.codes, w.scales, w.offsets))
+        return pack_blocks(codes, scales, offsets, w.bits)
+    return pack(w)
+
+
+def _pack_stacked(weight: jax.Array | QuantizedLinear) -> PackedLayers:
+    if isinstance(weight, QuantizedLinear):
+        layers = [
+            QuantizedLinear(weight.codes[i], weight.scales[i], weight.offsets[i], weight.bits)
+            for i in range(weight.codes.shape[0])
+        ]
+    else:
+        layers = list(np.asarray(weight))
+    return PackedLayers(tuple(_pack_one(w) for w in layers))
+
+
+def pack_params(params: Params) -> Params:
+    """Float32 params with every matmul weight packed for the kernel: the four layer weights
+    as `PackedLayers`, the LM head as one packed weight. With tied embeddings the packed head
+    is the embeddings' transpose and replaces them (its `take_columns` serves the lookup)."""
+    layers = dict(params["layers"])
+    for name in MATMUL_WEIGHTS:
+        layers[name] = _pack_stacked(layers[name])
+    if "lm_head" in params:
+        rest, head = params, params["lm_head"]
+    else:
+        rest = {k: v for k, v in params.items() if k != "embed"}
+        head = np.asarray(params["embed"]).T
+    return {**rest, "layers": layers, "lm_head": _pack_one(head)}

@@ -1,0 +1,77 @@
+"""Everything that differs between the CPU and a GPU, decided once per engine.
+
+`current_platform()` looks at JAX's default backend once; the engine hands the `Platform` it
+returns to the worker, the model runner and the sampler, and nothing else asks which machine it
+runs on. A platform names the default block size, the attention backend that "auto" means,
+how weights are prepared (the CPU packs them for its C++ kernels), the KV budget, and the
+sampler's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+
+from pagedjax.attention import get_backend
+
+if TYPE_CHECKING:
+    from kernels_pallas.backend import AttentionBackend, AttentionSpec
+    from models.llama import Params
+    from pagedjax.config import EngineConfig
+    from pagedjax.sampler import SamplingKernels
+
+# KV budget where the device reports no memory statistics (the CPU's RAM is shared with
+# everything else, so the default stays modest; set kv_cache_memory_bytes for more).
+DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The defaults and kernels of one kind of device; subclasses fill them in."""
+
+    name: str
+    default_block_size: int
+    auto_attention: tuple[str, ...]  # backends "auto" tries, in order
+    sampling: SamplingKernels
+
+    def attention_backend(self, requested: str, spec: AttentionSpec) -> AttentionBackend:
+        """The backend for `requested` ("auto": the first of `auto_attention` that runs
+        `spec`); raises ValueError saying why when the requested one cannot."""
+        names = self.auto_attention if requested == "auto" else (requested,)
+        reasons = []
+        for name in names:
+            backend = get_backend(name)
+            reason = backend.supports(spec)
+            if reason is None:
+                return backend
+            reasons.append(f"{name}: {reason}")
+        raise ValueError(
+            f"attention_backend={requested!r} cannot run this model on {self.name} "
+            f"({'; '.join(reasons)}); choose another attention_backend"
+        )
+
+    def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
+        """Whether a GGUF's block-quantized weights stay quantized (else: widened at load)."""
+        return False
+
+    def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
+        """The params in the layout this platform's kernels run fastest."""
+        return params
+
+    def kv_budget_bytes(self, config: EngineConfig, activation_peak: Callable[[], int]) -> int:
+        """Bytes for the KV pool when the config gives neither blocks nor bytes."""
+        return DEFAULT_KV_BYTES
+
+
+def current_platform() -> Platform:
+    """The platform of JAX's default backend."""
+    if jax.default_backend() == "gpu":
+        from pagedjax.platforms.gpu import GpuPlatform
+
+        return GpuPlatform()
+    from pagedjax.platforms.cpu import cpu_platform
+
+    return cpu_platform()

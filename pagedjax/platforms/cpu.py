@@ -1,0 +1,46 @@
+"""The CPU: the C++ kernels of `pagedjax/cpu_native/` where they build, XLA where they do not.
+
+Blocks are 64 tokens: a page is one KV head's block_size x head_dim tile, and a running
+request's pages lie wherever the free list put them, so larger pages make its scattered reads
+faster (numbers in benchmarks/README.md); prefix caching shares only whole blocks, which is
+what larger blocks cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from models.llama import Params
+from pagedjax.cpu_native import build
+from pagedjax.platforms import Platform
+from pagedjax.sampler import XLA_SAMPLING
+
+
+@dataclass(frozen=True)
+class CpuPlatform(Platform):
+    native: bool = False  # the C++ kernels are built and registered
+
+    def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
+        # Without the kernel XLA would widen every quantized weight on every step.
+        return self.native and jnp.dtype(dtype) == jnp.float32
+
+    def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
+        if not (self.native and jnp.dtype(dtype) == jnp.float32):
+            return params
+        from pagedjax.cpu_native.matmul import pack_params
+
+        return pack_params(params)
+
+
+def cpu_platform(native: bool | None = None) -> CpuPlatform:
+    """The CPU platform; `native` None: the C++ kernels if they build here."""
+    if native is None:
+        native = build.available()
+    if native:
+        from pagedjax.cpu_native.sampling import CPU_SAMPLING
+
+        return CpuPlatform("cpu", 64, ("cpu_native", "xla"), CPU_SAMPLING, native=True)
+    return CpuPlatform("cpu", 64, ("xla",), XLA_SAMPLING, native=False)

@@ -129,8 +129,8 @@ def bench_block_ops(num_blocks: int, rounds: int = 4000) -> dict:
     # Give every block a key, then free them all: each later allocation evicts a key, and
     # hits are taken out of the middle of a long free queue.
     blocks = pool.get_new_blocks(pool.num_free_blocks)
-    for block in blocks:
-        pool.cache_full_block(block, block.block_id.to_bytes(32, "little"))
+    keys = [block.block_id.to_bytes(32, "little") for block in blocks]
+    pool.cache_full_blocks(blocks, keys, 0, len(blocks))
     pool.free_blocks(blocks)
     middle = blocks[len(blocks) // 2 : len(blocks) // 2 + 16]
     del blocks

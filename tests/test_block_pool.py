@@ -15,6 +15,10 @@ def _hash(i: int) -> bytes:
     return i.to_bytes(32, "little")
 
 
+def _cache(pool: BlockPool, blocks: list[KVCacheBlock], keys: list[int]) -> None:
+    pool.cache_full_blocks(blocks, [_hash(key) for key in keys], 0, len(blocks))
+
+
 def test_null_block_is_reserved_and_never_handed_out():
     pool = BlockPool(5)
     assert pool.null_block.block_id == NULL_BLOCK_ID == 0
@@ -62,8 +66,8 @@ def test_block_repr_does_not_follow_links():
 def test_lru_reuses_blocks_freed_longest_ago_first():
     pool = BlockPool(7)
     blocks = pool.get_new_blocks(6)
-    for i, block in enumerate(blocks):
-        assert pool.cache_full_block(block, _hash(i))
+    _cache(pool, blocks, list(range(6)))
+    assert [b.block_hash for b in blocks] == [_hash(i) for i in range(6)]
     # Free in an arbitrary order: that order is the eviction order.
     order = [blocks[3], blocks[0], blocks[5], blocks[1], blocks[4], blocks[2]]
     for block in order:
@@ -75,8 +79,7 @@ def test_lru_reuses_blocks_freed_longest_ago_first():
 def test_uncached_free_blocks_are_reused_before_cached_ones():
     pool = BlockPool(5)
     a, b, c, d = pool.get_new_blocks(4)
-    pool.cache_full_block(a, _hash(1))
-    pool.cache_full_block(c, _hash(3))
+    _cache(pool, [a, c], [1, 3])
     pool.free_blocks([a, b, c, d])  # a, c cached; b, d not
     assert pool.num_free_cached_blocks == 2
     assert {x.block_id for x in pool.get_new_blocks(2)} == {b.block_id, d.block_id}
@@ -88,7 +91,7 @@ def test_uncached_free_blocks_are_reused_before_cached_ones():
 def test_eviction_is_lazy_hash_kept_until_reuse():
     pool = BlockPool(3)
     a, b = pool.get_new_blocks(2)
-    pool.cache_full_block(a, _hash(7))
+    _cache(pool, [a], [7])
     pool.free_blocks([a])
     assert a.ref_cnt == 0 and a.block_hash == _hash(7)
     assert pool.get_cached_block(_hash(7)) is a
@@ -102,8 +105,7 @@ def test_eviction_is_lazy_hash_kept_until_reuse():
 def test_touch_takes_free_block_out_of_the_queue_or_adds_a_holder():
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(4)
-    for i, block in enumerate(blocks):
-        pool.cache_full_block(block, _hash(i))
+    _cache(pool, blocks, list(range(4)))
     pool.free_blocks(blocks[:3])
     assert _queue_ids(pool) == [1, 2, 3]
     pool.touch([blocks[1]])  # out of the middle, 0 -> 1
@@ -126,17 +128,17 @@ def test_over_free_raises():
 def test_duplicate_key_is_not_indexed_twice():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
-    assert pool.cache_full_block(a, _hash(1))
-    assert not pool.cache_full_block(b, _hash(1))
+    _cache(pool, [a, b], [1, 1])
     assert b.block_hash is None and pool.get_cached_block(_hash(1)) is a
-    assert not pool.cache_full_block(a, _hash(2))  # a block has one key for life
+    _cache(pool, [a], [2])  # a block has one key for life
+    assert a.block_hash == _hash(1) and pool.get_cached_block(_hash(2)) is None
+    assert pool.num_cached_blocks == 1
 
 
 def test_reset_prefix_cache_clears_keys():
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)
-    for i, block in enumerate(blocks):
-        pool.cache_full_block(block, _hash(i))
+    _cache(pool, blocks, list(range(3)))
     pool.free_blocks(blocks)
     pool.reset_prefix_cache()
     assert pool.num_cached_blocks == 0 and pool.num_free_cached_blocks == 0

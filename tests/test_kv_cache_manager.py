@@ -24,10 +24,8 @@ from pagedjax.core import (
     hash_request_tokens,
 )
 from pagedjax.core.hashing import (
-    ROOT_HASH,
     encode_extra_keys,
     extend_block_hashes,
-    make_block_hasher,
     request_extra_keys,
 )
 
@@ -47,6 +45,18 @@ def _run(manager: KVCacheManager, request: Request, num_new: int | None = None) 
     if new is not None:
         request.num_computed_tokens += num_hits + num_new
     return new
+
+
+def fork_request(parent: Request, child_id) -> Request:
+    """A child sharing the parent's computed tokens, as n > 1 sampling forks one: it holds the
+    computed tokens (at least the whole prompt) and the same computed count; append its own
+    sampled token, then call `KVCacheManager.fork(parent, child)`."""
+    child = Request(child_id, parent.prompt_token_ids, cache_salt=parent.cache_salt)
+    child.all_token_ids = parent.all_token_ids[
+        : max(parent.num_computed_tokens, parent.num_prompt_tokens)
+    ]
+    child.num_computed_tokens = parent.num_computed_tokens
+    return child
 
 
 def _snapshot(manager: KVCacheManager):
@@ -96,19 +106,14 @@ def test_incremental_hashing_matches_full_hashing():
         assert grown == full[: end // BS]
 
 
-def test_block_hasher_matches_hash_block_tokens():
+def test_extend_block_hashes_matches_hash_block_tokens():
     for block_size in (1, 4, 16):
-        hasher = make_block_hasher(block_size)
-        tokens = [7, 2**40, -1, 0] * 4
-        parent = hash_block_tokens(None, tokens[:block_size])
+        tokens = [7, 2**40, -1, 0] * 8
         for extra in (b"", b"salt"):
-            for tokens_block in (tokens[:block_size], tokens[-block_size:]):
-                assert hasher(parent, tokens_block, extra) == hash_block_tokens(
-                    parent, tokens_block, extra
-                )
-            assert hasher(ROOT_HASH, tokens[:block_size], extra) == hash_block_tokens(
-                None, tokens[:block_size], extra
-            )
+            parent = None
+            for start in range(0, len(tokens) - block_size + 1, block_size):
+                parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
+            assert hash_request_tokens(tokens, block_size, extra)[-1] == parent
 
 
 def test_extra_keys_encoding_is_injective_on_examples():
@@ -272,9 +277,9 @@ def test_allocate_returns_none_without_side_effects():
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 @pytest.mark.parametrize("enable_caching", [True, False])
 def test_one_token_decode_path_matches_the_general_path(block_size, enable_caching):
-    """`allocate_slots(req, 1)` takes dedicated paths for decoding; passing an empty hit list
-    forces the general path. Both must leave identical state and return equal results, also
-    around forks (copy-on-write), lookahead reservations, full pools and frees."""
+    """`allocate_slots(req, 1)` returns at once while the token fits in a private, unfilled
+    block; passing an empty hit list forces the general path. Both must leave identical state
+    and return equal results, also around forks (copy-on-write), full pools and frees."""
 
     rng = random.Random(block_size)
     managers = [KVCacheManager(24, block_size, enable_caching=enable_caching) for _ in range(2)]
@@ -310,20 +315,19 @@ def test_one_token_decode_path_matches_the_general_path(block_size, enable_cachi
             rid = rng.choice(live)
             for manager, reqs in zip(managers, requests, strict=True):
                 parent = reqs[rid]
-                child = parent.fork(next_id)
+                child = fork_request(parent, next_id)
                 child.append_token_ids(2)
                 manager.fork(parent, child)
                 reqs[next_id] = child
             next_id += 1
         else:
             rid = rng.choice(live)
-            lookahead = rng.choice([0] * 8 + [block_size + 1])
             token = rng.randrange(3)
             results = []
             for index, (manager, reqs) in enumerate(zip(managers, requests, strict=True)):
                 request = reqs[rid]
                 general = [] if index else None
-                new = manager.allocate_slots(request, 1, general, num_lookahead_tokens=lookahead)
+                new = manager.allocate_slots(request, 1, general)
                 results.append(None if new is None else [block.block_id for block in new])
                 if new is not None:
                     request.num_computed_tokens += 1
@@ -332,7 +336,7 @@ def test_one_token_decode_path_matches_the_general_path(block_size, enable_cachi
         assert state(managers[0]) == state(managers[1])
 
 
-def test_allocate_reuses_held_blocks_and_lookahead_reserves_slots():
+def test_allocate_reuses_held_blocks_and_adds_only_missing_ones():
     manager = KVCacheManager(16, BS)
     a = Request("a", list(range(5)))
     new = _run(manager, a)
@@ -340,8 +344,8 @@ def test_allocate_reuses_held_blocks_and_lookahead_reserves_slots():
     a.append_token_ids(5)
     assert manager.allocate_slots(a, 1) == []  # fits in block 1
     a.num_computed_tokens += 1
-    a.append_token_ids(6)
-    new = manager.allocate_slots(a, 1, num_lookahead_tokens=6)  # slots up to 13 -> 4 blocks
+    a.append_token_ids(list(range(6, 13)))
+    new = manager.allocate_slots(a, 7)  # tokens up to 13 -> 4 blocks
     assert len(new) == 2 and len(manager.get_block_ids(a)) == 4
 
 
@@ -350,7 +354,7 @@ def test_fork_shares_blocks_and_copy_on_write_yields_exactly_one_copy():
     parent = Request("p", list(range(10)))  # 2 full blocks + partial block of 2
     _run(manager, parent)
     parent.append_token_ids(100)  # sampled, not computed
-    child = parent.fork("c")
+    child = fork_request(parent, "c")
     child.append_token_ids(200)
     manager.fork(parent, child)
     ids = manager.get_block_ids(parent)
@@ -376,7 +380,7 @@ def test_full_shared_blocks_are_never_copied():
     parent.append_token_ids(100)
     children = []
     for i in range(3):
-        child = parent.fork(f"c{i}")
+        child = fork_request(parent, f"c{i}")
         child.append_token_ids(200 + i)
         manager.fork(parent, child)
         children.append(child)
@@ -400,12 +404,28 @@ def test_fork_from_an_earlier_point_copies_the_partial_block_on_write():
     assert manager.get_block_ids(branch)[1] == dst
 
 
+def test_a_branch_copies_a_cached_block_before_writing_even_as_its_last_holder():
+    manager = KVCacheManager(32, BS)
+    parent = Request("p", list(range(8)))  # 2 full blocks, both cached
+    _run(manager, parent)
+    branch = Request("b", list(range(6)) + [77])  # diverges inside the parent's second block
+    branch.num_computed_tokens = 6
+    manager.fork(parent, branch)
+    manager.free(parent)  # the branch now holds the cached block alone
+    cached = manager.get_block_ids(branch)[1]
+    assert manager.allocate_slots(branch, 1) is not None
+    ((src, dst),) = manager.pop_block_copies()
+    assert src == cached and manager.get_block_ids(branch)[1] == dst != cached
+    hits, num_hits = manager.get_computed_blocks(Request("q", list(range(9))))
+    assert num_hits == 8 and hits[1].block_id == cached  # its content is the parent's
+
+
 def test_free_drops_a_pending_copy_into_the_freed_block():
     manager = KVCacheManager(32, BS)
     parent = Request("p", list(range(6)))
     _run(manager, parent)
     parent.append_token_ids(1)
-    child = parent.fork("c")
+    child = fork_request(parent, "c")
     child.append_token_ids(2)
     manager.fork(parent, child)
     manager.allocate_slots(child, 1)
@@ -421,7 +441,7 @@ def test_all_blocks_are_free_after_every_request_is_freed():
         request.append_token_ids(9)
     kids = []
     for request in requests[:3]:
-        kid = request.fork(("kid", request.request_id))
+        kid = fork_request(request, ("kid", request.request_id))
         kid.append_token_ids(8)
         manager.fork(request, kid)
         kids.append(kid)
@@ -451,7 +471,7 @@ def test_misuse_raises_specific_errors_with_guidance():
     with pytest.raises(InvalidAllocationError, match="admission"):
         manager.get_computed_blocks(a)
     a.append_token_ids(6)
-    dup = a.fork("a")
+    dup = fork_request(a, "a")
     with pytest.raises(DuplicateRequestError, match="new id"):
         manager.fork(a, dup)
     salted = Request("s", list(range(6)), cache_salt="x")

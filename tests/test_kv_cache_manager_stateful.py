@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_kv_cache_manager import fork_request
 
 from pagedjax.core import (
     NULL_BLOCK_ID,
@@ -99,12 +100,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.batch[request.request_id] = num_new
 
     @precondition(lambda self: any(rid not in self.batch for rid in self.running))
-    @rule(data=st.data(), chunk=st.integers(1, 8), lookahead=st.sampled_from([0, 0, 0, 2]))
-    def schedule(self, data, chunk, lookahead) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def schedule(self, data, chunk) -> None:
         request = self.running[data.draw(st.sampled_from(self._idle()))]
         num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
         before = self._snapshot()
-        new = self.manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+        new = self.manager.allocate_slots(request, num_new)
         if new is None:
             assert self._snapshot() == before
         else:
@@ -148,7 +149,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             child.cache_salt = parent.cache_salt
             child.num_computed_tokens = shared
         else:  # parallel sampling: same computed tokens, own sampled token
-            child = parent.fork(self._new_id())
+            child = fork_request(parent, self._new_id())
             if child.num_tokens == child.num_computed_tokens:
                 child.append_token_ids(token)
         self.manager.fork(parent, child)

@@ -6,12 +6,13 @@ import pytest
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_policy import POLICIES, FCFSPolicy, PriorityPolicy
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.errors import RequestTooLongError
 from pagedjax.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=64, threshold=0):
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=64, threshold=0, **kw):
     kv = KVCacheManager(num_blocks, block_size)
     return Scheduler(
         kv,
@@ -19,6 +20,7 @@ def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=64, thresho
         max_num_seqs=max_seqs,
         max_model_len=max_len,
         long_prefill_token_threshold=threshold,
+        **kw,
     )
 
 
@@ -90,8 +92,18 @@ def test_preemption_picks_the_lowest_priority_and_admits_nothing_that_step():
     assert s.num_preemptions == 1
 
 
-def test_the_lowest_request_preempts_itself_when_it_cannot_grow():
-    s = make(num_blocks=9, block_size=4, budget=64)  # 8 usable blocks
+class LongestContextVictim(PriorityPolicy):
+    """A custom policy: preempt the request with the most computed tokens (frees most blocks)."""
+
+    def select_victim(self, candidates):
+        return max(candidates, key=lambda r: r.num_computed_tokens)
+
+
+@pytest.mark.parametrize("policy", [PriorityPolicy(), FCFSPolicy(), LongestContextVictim()])
+def test_the_lowest_request_preempts_itself_when_it_cannot_grow(policy):
+    # Whatever the policy, "first" is scheduled before "second" fails, so it is no candidate
+    # (even though its context is the longest) and "second" must preempt itself.
+    s = make(num_blocks=9, block_size=4, budget=64, policy=policy)  # 8 usable blocks
     first = request("first", 16, arrival=0)
     second = request("second", 12, arrival=1, first_token=100)
     s.add_request(first)
@@ -121,3 +133,51 @@ def test_finish_frees_exactly_once_wherever_the_request_is():
         s.finish(req, RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert s.kv.block_pool.num_used_blocks == 0
+
+
+def test_fcfs_policy_ignores_priority_for_admission_and_preemption():
+    assert isinstance(POLICIES["fcfs"](), FCFSPolicy)
+    assert isinstance(POLICIES["priority"](), PriorityPolicy)
+    s = make(max_seqs=2, policy=FCFSPolicy())
+    for rid, priority, arrival in (("late", 0, 2.0), ("urgent", -1, 3.0), ("early", 0, 1.0)):
+        s.add_request(request(rid, 2, priority, arrival))
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["early", "late"]
+    assert [r.request_id for r in s.waiting] == ["urgent"]
+
+    s = make(num_blocks=9, block_size=4, budget=64, policy=FCFSPolicy())  # 8 usable blocks
+    low = request("low", 16, priority=5, arrival=0)
+    high = request("high", 16, priority=0, arrival=1, first_token=100)
+    s.add_request(low)
+    s.add_request(high)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["low", "high"]
+    execute(s, out)
+    out = s.schedule()  # both need a fifth block: the latest arrival goes, whatever its priority
+    assert [r.request_id for r in out.preempted] == ["high"]
+    assert [r.request_id for r, _ in out.scheduled] == ["low"]
+
+
+def test_custom_policy_picks_the_victim():
+    s = make(num_blocks=9, block_size=4, budget=64, policy=LongestContextVictim())
+    long, short = request("long", 20, arrival=0), request("short", 12, arrival=1, first_token=100)
+    s.add_request(long)
+    s.add_request(short)
+    execute(s, s.schedule())  # 5 + 3 blocks: the pool is full
+    out = s.schedule()  # "long" needs a sixth block: it is the longest, so it goes
+    assert [r.request_id for r in out.preempted] == ["long"]
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1)]
+    assert [r.request_id for r in s.waiting] == ["long"]
+
+
+def test_a_victim_outside_the_candidates_is_rejected():
+    class Bad(PriorityPolicy):
+        def select_victim(self, candidates):
+            return request("stranger", 1)
+
+    s = make(num_blocks=9, block_size=4, budget=64, policy=Bad())
+    s.add_request(request("a", 16))
+    s.add_request(request("b", 16, arrival=1, first_token=100))
+    execute(s, s.schedule())
+    with pytest.raises(ValueError, match="not one of its candidates"):
+        s.schedule()

@@ -159,70 +159,28 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the front of the free queue (ref count 0 -> 1)."""
-        queue = self.free_block_queue
-        if num_blocks > queue.num_free_blocks:
+        try:
+            new_blocks = self.free_block_queue.popleft_n(num_blocks)
+        except IndexError:
             raise ValueError(
                 f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free; "
                 "check num_free_blocks first (allocate_slots does)"
-            )
-        # `queue.popleft_n` and the eviction in one pass, relinking the queue once.
-        new_blocks = []
-        append = new_blocks.append
+            ) from None
         cached_blocks = self.cached_blocks
-        num_evicted = 0
-        head = queue._head
-        block = head.next_free
-        for _ in range(num_blocks):
-            append(block)
-            next_block = block.next_free
-            block.prev_free = block.next_free = None
+        for block in new_blocks:
             block_hash = block.block_hash
             if block_hash is not None:  # lazy eviction happens here, on reuse
                 del cached_blocks[block_hash]
                 block.block_hash = None
-                num_evicted += 1
+                self._num_free_cached -= 1
             block.ref_cnt = 1
-            block = next_block
-        head.next_free = block
-        block.prev_free = head
-        queue.num_free_blocks -= num_blocks
-        self._num_free_cached -= num_evicted
         return new_blocks
-
-    def get_new_block(self) -> KVCacheBlock | None:
-        """`get_new_blocks(1)[0]` for the per-step decode path; None (nothing changed) if no
-        block is free."""
-        queue = self.free_block_queue
-        head = queue._head
-        block = head.next_free
-        if block is queue._tail:
-            return None
-        next_block = block.next_free
-        head.next_free = next_block
-        next_block.prev_free = head
-        block.prev_free = block.next_free = None
-        queue.num_free_blocks -= 1
-        block_hash = block.block_hash
-        if block_hash is not None:  # lazy eviction happens here, on reuse
-            del self.cached_blocks[block_hash]
-            block.block_hash = None
-            self._num_free_cached -= 1
-        block.ref_cnt = 1
-        return block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a holder to each block; a free (cached) block leaves the free queue."""
-        queue = self.free_block_queue
         for block in blocks:
             if block.ref_cnt == 0:
-                # `queue.remove(block)`, inlined: hits are taken out of the middle.
-                prev, nxt = block.prev_free, block.next_free
-                if prev is None or nxt is None:
-                    raise ValueError(f"{block} is not in the free queue")
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                block.prev_free = block.next_free = None
-                queue.num_free_blocks -= 1
+                self.free_block_queue.remove(block)
                 if block.block_hash is not None:
                     self._num_free_cached -= 1
             block.ref_cnt += 1
@@ -261,18 +219,6 @@ class BlockPool:
             queue.num_free_blocks += num_freed
             self._num_free_cached += num_freed_cached
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
-        """Index a full, in-use block under its key; False if another block has that key.
-
-        The duplicate stays un-indexed (its content is still valid for its holders) and, once
-        freed, is among the first blocks reused.
-        """
-        if block.block_hash is not None or block_hash in self.cached_blocks:
-            return False
-        block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        return True
-
     def cache_full_blocks(
         self,
         blocks: Sequence[KVCacheBlock],
@@ -280,7 +226,12 @@ class BlockPool:
         start: int,
         end: int,
     ) -> None:
-        """`cache_full_block` for blocks[start:end] with their keys (one call per step)."""
+        """Index the full, in-use blocks[start:end] under block_hashes[start:end].
+
+        A block keeps its first key for life. A block whose key another block already holds
+        stays un-indexed (its content is still valid for its holders) and, once freed, is
+        among the first blocks reused.
+        """
         cached_blocks = self.cached_blocks
         for index in range(start, end):
             block = blocks[index]

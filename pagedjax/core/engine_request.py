@@ -66,8 +66,3 @@ class EngineRequest(Request):
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def sort_key(self) -> tuple[int, float]:
-        """Scheduling order: lower priority value first, then earlier arrival."""
-        return (self.priority, self.arrival_time)

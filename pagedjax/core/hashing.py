@@ -12,6 +12,7 @@ today, a LoRA adapter id later. To add one, add its attribute name to `EXTRA_KEY
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
@@ -26,26 +27,14 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"pagedjax/kv-block-hash/v1").digest()
 EXTRA_KEY_FIELDS: tuple[str, ...] = ("cache_salt", "lora_id")
 """Request attributes that, when present and not None, enter every block key."""
 
-_token_structs: dict[int, struct.Struct] = {}
-_int64_structs: dict[int, struct.Struct] = {}
 _BLOCK_LEN = struct.Struct("<I")
 
 
-def _token_struct(num_tokens: int) -> struct.Struct:
-    packer = _token_structs.get(num_tokens)
-    if packer is None:
-        # Length prefix + little-endian int64 ids: fixed width, so the encoding is injective.
-        packer = _token_structs[num_tokens] = struct.Struct(f"<I{num_tokens}q")
-    return packer
-
-
-def _int64_struct(num_tokens: int) -> struct.Struct:
-    packer = _int64_structs.get(num_tokens)
-    if packer is None:
-        packer = struct.Struct(f"<{num_tokens}q")
-        if len(_int64_structs) < 256:  # whole-prompt sizes vary: keep the cache bounded
-            _int64_structs[num_tokens] = packer
-    return packer
+@functools.lru_cache(maxsize=256)  # token counts vary (whole prompts): keep the cache bounded
+def _int64_packer(num_tokens: int) -> Callable[..., bytes]:
+    """Packs `num_tokens` token ids as little-endian int64: fixed width, so together with
+    the length prefix the encoding is injective."""
+    return struct.Struct(f"<{num_tokens}q").pack
 
 
 def encode_extra_keys(keys: Sequence[Any]) -> bytes:
@@ -95,28 +84,8 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Key of one full block given its parent's key (None for the first block)."""
     parent = ROOT_HASH if parent_hash is None else parent_hash
-    packed = _token_struct(len(token_ids)).pack(len(token_ids), *token_ids)
+    packed = _BLOCK_LEN.pack(len(token_ids)) + _int64_packer(len(token_ids))(*token_ids)
     return hashlib.sha256(parent + packed + extra_keys).digest()
-
-
-def make_block_hasher(block_size: int) -> Callable[[BlockHash, Sequence[int], bytes], BlockHash]:
-    """`hash_block_tokens` specialised to full blocks of `block_size` tokens (same keys).
-
-    One precompiled struct packs parent, length prefix and token ids in one call: the
-    per-block cost of decoding. The parent must be a key, i.e. a 32-byte digest (`ROOT_HASH`
-    for the first block): the "32s" field would pad or cut anything else.
-    """
-    pack = struct.Struct(f"<32sI{block_size}q").pack
-    sha256 = hashlib.sha256
-
-    def hash_full_block(
-        parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
-    ) -> BlockHash:
-        if extra_keys:
-            return sha256(pack(parent_hash, block_size, *token_ids) + extra_keys).digest()
-        return sha256(pack(parent_hash, block_size, *token_ids)).digest()
-
-    return hash_full_block
 
 
 def extend_block_hashes(
@@ -126,28 +95,30 @@ def extend_block_hashes(
     extra_keys: bytes = b"",
     max_blocks: int | None = None,
 ) -> None:
-    """Append keys for the full blocks of `token_ids` not yet in `block_hashes`.
+    """Append keys for the full blocks of `token_ids` (at most `max_blocks` in all) not yet
+    in `block_hashes`: the same keys as chaining `hash_block_tokens`.
 
     Incremental: only blocks that filled since the last call are hashed, so a request pays
-    for each of its blocks once. Same keys as chaining `hash_block_tokens`; the new tokens
-    are packed in one call because admission hashes whole prompts.
+    for each of its blocks once. The new tokens are packed in one call because admission
+    hashes whole prompts.
     """
     num_full = len(token_ids) // block_size
     if max_blocks is not None and max_blocks < num_full:
         num_full = max_blocks
-    first = len(block_hashes)
-    if first >= num_full:
+    num_hashed = len(block_hashes)
+    if num_hashed >= num_full:
         return
-    parent = block_hashes[-1] if block_hashes else ROOT_HASH
-    start, end = first * block_size, num_full * block_size
-    packed = _int64_struct(end - start).pack(*token_ids[start:end])
+    start, end = num_hashed * block_size, num_full * block_size
+    packed = _int64_packer(end - start)(*token_ids[start:end])
     header = _BLOCK_LEN.pack(block_size)
+    parent = block_hashes[-1] if num_hashed else ROOT_HASH
     width = 8 * block_size
     sha256 = hashlib.sha256
-    append = block_hashes.append
-    for offset in range(0, len(packed), width):
+    offset = 0
+    while offset < len(packed):
         parent = sha256(parent + header + packed[offset : offset + width] + extra_keys).digest()
-        append(parent)
+        block_hashes.append(parent)
+        offset += width
 
 
 def hash_request_tokens(

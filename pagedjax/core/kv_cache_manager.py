@@ -34,10 +34,8 @@ from pagedjax.core.errors import (
     UnknownRequestError,
 )
 from pagedjax.core.hashing import (
-    ROOT_HASH,
     BlockHash,
     extend_block_hashes,
-    make_block_hasher,
     request_extra_keys,
 )
 from pagedjax.core.memory import KVCacheSpec, MemoryLedger
@@ -77,6 +75,13 @@ class _RequestBlocks:
     fast_path_end: int = -1
 
 
+def _is_shared(block: KVCacheBlock) -> bool:
+    """Whether a request must copy the block before writing into it: another request holds
+    it (a fork), or it is cached, i.e. full with content that a branch forked from inside it
+    does not share."""
+    return block.ref_cnt > 1 or block.block_hash is not None
+
+
 class KVCacheManager:
     """Allocates, shares, caches and frees KV blocks for requests (host side, no device)."""
 
@@ -97,7 +102,6 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self._hash_full_block = make_block_hasher(block_size)
 
     # ----------------------------------------------------------------- admission
 
@@ -144,195 +148,82 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
-        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request` after its computed ones.
 
         `new_computed_blocks` / `num_new_computed_tokens` are the prefix hit from
-        `get_computed_blocks` (admission only). `num_lookahead_tokens` reserves extra slots
-        (e.g. speculative drafts) without caching them. Returns the freshly allocated blocks
+        `get_computed_blocks` (admission only). Returns the freshly allocated blocks
         (possibly empty), or None, changing nothing, if the free pool cannot cover them.
 
-        If the first written block is shared with a fork (ref count > 1), the request gets
-        a private copy: the block table changes at that index and a (src, dst) copy is
+        If the first written block is shared (held by a fork too, or cached), the request
+        gets a private copy: the block table changes at that index and a (src, dst) copy is
         queued for `pop_block_copies()`.
         """
-        if new_computed_blocks is None and not (num_new_computed_tokens or num_lookahead_tokens):
-            try:  # a dict subscript under a zero-cost try: cheaper than .get() in 3.11
-                state = self._requests[request.request_id]
-            except KeyError:
-                state = None
-            else:
-                num_scheduled_end = request.num_computed_tokens + num_new_tokens
-                if (
-                    num_scheduled_end <= state.fast_path_end
-                    and num_new_tokens >= 0
-                    and num_scheduled_end <= len(request.all_token_ids)
-                ):
-                    return []  # most decode steps: the token fits in a private, unfilled block
-                if num_new_tokens == 1 and num_scheduled_end <= len(request.all_token_ids):
-                    # The two per-block events of decoding, without the general machinery
-                    # below (same effects and result): the token needs exactly one new
-                    # block, or it fills the last held block, which then gets cached. Any
-                    # other case (copy-on-write, blocks left to cache, reserved lookahead
-                    # blocks, block_size 1) falls through, nothing changed, to the general path.
-                    block_size = self.block_size
-                    blocks = state.blocks
-                    num_blocks = len(blocks)
-                    num_cached = state.num_cached_blocks
-                    if num_scheduled_end == num_blocks * block_size + 1:
-                        if num_cached == num_blocks and block_size > 1:  # nothing to cache
-                            block = self.block_pool.get_new_block()
-                            if block is None:
-                                return None
-                            blocks.append(block)
-                            state.block_ids.append(block.block_id)
-                            # Up to one token short of filling the new (private) block.
-                            state.fast_path_end = num_scheduled_end + block_size - 2
-                            return [block]
-                    elif (
-                        num_scheduled_end == (num_cached + 1) * block_size
-                        and num_cached < num_blocks
-                        and blocks[num_cached].ref_cnt == 1  # private: no copy-on-write
-                    ):
-                        if self.enable_caching:
-                            self._cache_next_full_block(request, state, num_scheduled_end)
-                        state.num_cached_blocks = num_cached + 1
-                        num_slots = num_blocks * block_size
-                        next_end = num_scheduled_end + block_size - 1
-                        state.fast_path_end = next_end if next_end < num_slots else num_slots
-                        return []
-        else:
-            state = self._requests.get(request.request_id)
-        if state is None:
+        try:  # a dict subscript under a zero-cost try: cheaper than .get() in 3.11
+            state = self._requests[request.request_id]
+        except KeyError:
             raise UnknownRequestError(
                 f"request {request.request_id!r} is unknown to the KV cache manager; call "
                 "get_computed_blocks(request) on admission (or fork(parent, request)) first"
-            )
-        block_size = self.block_size
-        blocks = state.blocks
+            ) from None
+        if new_computed_blocks is None and not num_new_computed_tokens:
+            num_scheduled_end = request.num_computed_tokens + num_new_tokens
+            if (
+                num_scheduled_end <= state.fast_path_end
+                and num_new_tokens >= 0
+                and num_scheduled_end <= len(request.all_token_ids)
+            ):
+                return []  # most decode steps: the token fits in a private, unfilled block
+        hits = new_computed_blocks or ()
+        num_computed = self._check_allocation(
+            request, state, num_new_tokens, hits, num_new_computed_tokens
+        )
+        num_scheduled_end = num_computed + num_new_tokens
+        cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
+        # New blocks: those the scheduled tokens reach beyond the held and hit ones, plus the
+        # private copy of a shared block.
+        num_needed = -(-num_scheduled_end // self.block_size) - len(state.blocks) - len(hits)
+        num_needed = (num_needed if num_needed > 0 else 0) + (cow_index >= 0)
+        if (num_needed or hits) and not self._fits_free_pool(num_needed, hits):
+            return None  # nothing changed
+        if not state.blocks:
+            self._count_admission(request, num_new_computed_tokens)
+        if hits:
+            self._apply_prefix_hit(state, hits)
+        new_blocks = self._take_new_blocks(state, num_needed, cow_index) if num_needed else []
+        num_full = num_scheduled_end // self.block_size
+        if num_full > state.num_cached_blocks:
+            self._cache_full_blocks(request, state, num_full)
+        self._update_fast_path_end(state, num_scheduled_end)
+        return new_blocks
+
+    def _check_allocation(
+        self,
+        request: KVCacheRequest,
+        state: _RequestBlocks,
+        num_new_tokens: int,
+        hits: Sequence[KVCacheBlock],
+        num_new_computed_tokens: int,
+    ) -> int:
+        """Raise on arguments that contradict the request's state; return its computed
+        tokens once the prefix hit is applied."""
         num_computed = request.num_computed_tokens
-        if new_computed_blocks or num_new_computed_tokens:
-            hits = new_computed_blocks or ()
+        if hits or num_new_computed_tokens:
             self._check_prefix_hit(request, state, hits, num_new_computed_tokens)
             num_computed += num_new_computed_tokens
-        else:
-            hits = ()
-        num_scheduled_end = num_computed + num_new_tokens
-        slot_end = num_scheduled_end + num_lookahead_tokens
-        num_slots = len(blocks) * block_size
+        num_slots = len(state.blocks) * self.block_size
         if not (
             num_new_tokens >= 0
-            and num_lookahead_tokens >= 0
-            and num_scheduled_end <= len(request.all_token_ids)
+            and num_computed + num_new_tokens <= len(request.all_token_ids)
             and request.num_computed_tokens <= num_slots
         ):
             raise InvalidAllocationError(
                 f"request {request.request_id!r}: {num_computed} computed + {num_new_tokens} new "
-                f"tokens (+{num_lookahead_tokens} lookahead), but it has "
-                f"{len(request.all_token_ids)} tokens and slots for {num_slots}; schedule only "
-                "existing tokens (num_lookahead_tokens reserves extra slots), counts >= 0, and "
-                "keep num_computed_tokens in step with executed steps"
+                f"tokens, but it has {len(request.all_token_ids)} tokens and slots for "
+                f"{num_slots}; schedule only existing tokens, counts >= 0, and keep "
+                "num_computed_tokens in step with executed steps"
             )
-        # Blocks whose content is fully scheduled (final once this step runs) get cached.
-        num_full = num_scheduled_end // block_size
-        # Copy-on-write: the first block written this step is shared with a fork only if it
-        # is partially filled; full shared blocks are never written, hence never copied.
-        needs_cow = (
-            num_computed % block_size != 0
-            and slot_end > num_computed
-            and blocks[num_computed // block_size].ref_cnt > 1
-        )
-        num_needed = -(-slot_end // block_size) - len(blocks) - len(hits)
-        if num_needed < 0:
-            num_needed = 0
-        num_needed += needs_cow
-        pool = self.block_pool
-        if num_needed or hits:
-            num_free = pool.free_block_queue.num_free_blocks
-            if hits:
-                # Hits sitting in the free queue stop being free once touched.
-                num_free -= sum(1 for block in hits if block.ref_cnt == 0)
-            if num_needed > num_free:
-                return None
-        if not blocks and self.enable_caching:
-            # An admission that succeeds (the first allocation after get_computed_blocks):
-            # counted here, not at the lookup, so a request that waits for blocks and looks
-            # up again each step is counted once.
-            stats = self.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += len(request.all_token_ids)
-            stats.hits += num_new_computed_tokens
-        if hits:
-            pool.touch(hits)
-            blocks.extend(hits)
-            state.block_ids.extend([block.block_id for block in hits])
-            state.num_cached_blocks = len(blocks)
-        if num_needed:
-            new_blocks = pool.get_new_blocks(num_needed)
-            if needs_cow:
-                index = num_computed // block_size
-                shared, private = blocks[index], new_blocks[-1]
-                blocks[index] = private
-                state.block_ids[index] = private.block_id
-                self._pending_copies.append((shared.block_id, private.block_id))
-                pool.free_blocks((shared,))
-                tail = new_blocks[:-1]
-            else:
-                tail = new_blocks
-            blocks.extend(tail)
-            state.block_ids.extend([block.block_id for block in tail])
-        else:
-            new_blocks = []
-
-        num_cached = state.num_cached_blocks
-        if num_full > num_cached:
-            if self.enable_caching:
-                block_hashes = state.block_hashes
-                if len(block_hashes) < num_full:
-                    extend_block_hashes(
-                        block_hashes, request.all_token_ids, block_size, state.extra_keys, num_full
-                    )
-                pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
-            state.num_cached_blocks = num_cached = num_full
-
-        # Where the O(1) path holds next: up to the end of the held slots, short of filling
-        # the next block, and only if the next written block is private.
-        index = num_scheduled_end // block_size
-        if num_scheduled_end % block_size and blocks[index].ref_cnt > 1:
-            state.fast_path_end = -1
-        else:
-            state.fast_path_end = min(len(blocks) * block_size, (num_cached + 1) * block_size - 1)
-        return new_blocks
-
-    def _cache_next_full_block(
-        self, request: KVCacheRequest, state: _RequestBlocks, num_scheduled_end: int
-    ) -> None:
-        """Cache block `state.num_cached_blocks`, which the tokens up to
-        `num_scheduled_end` fill (the effect of `allocate_slots` for that one block)."""
-        block_size = self.block_size
-        index = state.num_cached_blocks
-        block_hashes = state.block_hashes
-        num_hashes = len(block_hashes)
-        if num_hashes == index:  # the usual case: hash just this block
-            block_hash = self._hash_full_block(
-                block_hashes[-1] if num_hashes else ROOT_HASH,
-                request.all_token_ids[num_scheduled_end - block_size : num_scheduled_end],
-                state.extra_keys,
-            )
-            block_hashes.append(block_hash)
-        else:
-            if num_hashes < index:
-                extend_block_hashes(
-                    block_hashes, request.all_token_ids, block_size, state.extra_keys, index + 1
-                )
-            block_hash = block_hashes[index]
-        block = state.blocks[index]
-        if block.block_hash is None:
-            cached_blocks = self.block_pool.cached_blocks
-            if block_hash not in cached_blocks:
-                block.block_hash = block_hash
-                cached_blocks[block_hash] = block
+        return num_computed
 
     def _check_prefix_hit(
         self,
@@ -365,6 +256,92 @@ class KVCacheManager:
                 f"prefix hit {block} for request {request.request_id!r} is stale (evicted "
                 "since the lookup); call allocate_slots right after get_computed_blocks"
             )
+
+    def _apply_prefix_hit(self, state: _RequestBlocks, hits: Sequence[KVCacheBlock]) -> None:
+        """Start the block table with the hit blocks, which are cached already."""
+        self.block_pool.touch(hits)
+        self._append_blocks(state, hits)
+        state.num_cached_blocks = len(state.blocks)
+
+    def _copy_on_write_index(self, state: _RequestBlocks, num_computed: int) -> int:
+        """Index of the block the step starts writing into if it must be copied first, else -1.
+
+        Only a partially computed block can be shared and written, so only such a block is
+        copied.
+        """
+        block_size = self.block_size
+        if num_computed % block_size == 0:
+            return -1
+        index = num_computed // block_size
+        return index if _is_shared(state.blocks[index]) else -1
+
+    def _fits_free_pool(self, num_needed: int, hits: Sequence[KVCacheBlock]) -> bool:
+        """Whether `num_needed` new blocks are free once the hits are taken."""
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if hits:  # hits sitting in the free queue stop being free once touched
+            num_free -= sum(1 for block in hits if block.ref_cnt == 0)
+        return num_needed <= num_free
+
+    def _count_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
+        """Count an admission that succeeds (the first allocation after get_computed_blocks)
+        here, not at the lookup, so a request that waits and looks up again counts once."""
+        if self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += len(request.all_token_ids)
+            stats.hits += num_hit_tokens
+
+    def _take_new_blocks(
+        self, state: _RequestBlocks, num_needed: int, cow_index: int
+    ) -> list[KVCacheBlock]:
+        """Take `num_needed` free blocks: the last replaces the shared block at `cow_index`
+        (unless -1), the others extend the table."""
+        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        if cow_index < 0:
+            self._append_blocks(state, new_blocks)
+            return new_blocks
+        shared, private = state.blocks[cow_index], new_blocks[-1]
+        state.blocks[cow_index] = private
+        state.block_ids[cow_index] = private.block_id
+        self._pending_copies.append((shared.block_id, private.block_id))
+        self.block_pool.free_blocks((shared,))
+        self._append_blocks(state, new_blocks[:-1])
+        return new_blocks
+
+    @staticmethod
+    def _append_blocks(state: _RequestBlocks, blocks: Sequence[KVCacheBlock]) -> None:
+        state.blocks += blocks
+        block_ids = state.block_ids
+        for block in blocks:  # a loop: most calls append one block
+            block_ids.append(block.block_id)
+
+    def _cache_full_blocks(
+        self, request: KVCacheRequest, state: _RequestBlocks, num_full: int
+    ) -> None:
+        """Offer the request's first `num_full` blocks, whose content is fully scheduled
+        (final once this step runs), to the prefix cache; each block is offered once."""
+        num_cached = state.num_cached_blocks
+        if self.enable_caching:
+            block_hashes = state.block_hashes
+            extend_block_hashes(
+                block_hashes, request.all_token_ids, self.block_size, state.extra_keys, num_full
+            )
+            self.block_pool.cache_full_blocks(state.blocks, block_hashes, num_cached, num_full)
+        state.num_cached_blocks = num_full
+
+    def _update_fast_path_end(self, state: _RequestBlocks, num_scheduled_end: int) -> None:
+        """Where the O(1) path of `allocate_slots` holds next: up to the end of the held
+        slots, short of filling the next block, and only if the next written block is not
+        shared."""
+        block_size = self.block_size
+        if num_scheduled_end % block_size and _is_shared(
+            state.blocks[num_scheduled_end // block_size]
+        ):
+            state.fast_path_end = -1
+        else:
+            num_slots = len(state.blocks) * block_size
+            end = (state.num_cached_blocks + 1) * block_size - 1
+            state.fast_path_end = end if end < num_slots else num_slots
 
     # -------------------------------------------------------------- fork and free
 

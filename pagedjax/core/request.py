@@ -60,16 +60,3 @@ class Request:
             self.all_token_ids.append(token_ids)
         else:
             self.all_token_ids.extend(token_ids)
-
-    def fork(self, child_id: Hashable) -> Request:
-        """A child that shares this request's computed tokens (for n > 1 or beam branching).
-
-        The child holds the computed tokens (at least the prompt) and the same computed count;
-        append the child's own sampled token, then call `KVCacheManager.fork(self, child)`.
-        """
-        child = Request(child_id, self.prompt_token_ids, cache_salt=self.cache_salt)
-        # Keep the whole prompt even when forking mid-prefill, so num_prompt_tokens holds.
-        num_kept = max(self.num_computed_tokens, self.num_prompt_tokens)
-        child.all_token_ids = self.all_token_ids[:num_kept]
-        child.num_computed_tokens = self.num_computed_tokens
-        return child

@@ -3,10 +3,11 @@
 There are no prefill and decode phases. Each request has computed tokens (KV in the pool) and
 known tokens (prompt + sampled); a step gives running requests their next tokens first (one
 for decode, a chunk for a prompt still prefilling), then admits waiting requests in order
-while budget, sequence slots and blocks last. When blocks run out, the lowest-priority,
-latest-arrived running request is preempted by recompute: its blocks are freed (their cached
-hashes survive, so its re-prefill hits its own prefix cache) and it goes back to the front of
-the waiting queue.
+while budget, sequence slots and blocks last. When blocks run out, a running request is
+preempted by recompute: its blocks are freed (their cached hashes survive, so its re-prefill
+hits its own prefix cache) and it goes back to the front of the waiting queue. The
+`SchedulingPolicy` orders both queues and picks the victim (by default: lower priority value
+first, then earlier arrival; the lowest-priority, latest-arrived request is preempted).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 
@@ -34,6 +36,9 @@ class SchedulerOutput:
     preempted: list[EngineRequest] = field(default_factory=list)
 
 
+DEFAULT_POLICY = PriorityPolicy()
+
+
 class Scheduler:
     def __init__(
         self,
@@ -43,14 +48,17 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
-    ):
+        policy: SchedulingPolicy = DEFAULT_POLICY,
+    ) -> None:
         self.kv = kv_cache_manager
+        self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.waiting: list[EngineRequest] = []  # sorted by sort_key; preempted ones re-enter
-        self.running: list[EngineRequest] = []  # admission order
+        # In policy order, except that preempted requests re-enter at the front.
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []  # in policy order from each step's start
         self.num_preemptions = 0
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
@@ -81,8 +89,9 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: EngineRequest) -> None:
-        keys = [r.sort_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, request.sort_key), request)
+        sort_key = self.policy.sort_key
+        index = bisect.bisect_right(self.waiting, sort_key(request), key=sort_key)
+        self.waiting.insert(index, request)
 
     def add_running(self, request: EngineRequest) -> None:
         """A fork (n > 1 child) that already shares its parent's computed blocks."""
@@ -98,14 +107,20 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _preempt(self, out: SchedulerOutput) -> EngineRequest:
-        """Frees the lowest-priority, latest-arrived running request: the list's tail.
+    def _preempt(self, out: SchedulerOutput, candidates: list[EngineRequest]) -> EngineRequest:
+        """Frees the running request the policy picks among `candidates`.
 
-        The tail is never a request already scheduled this step: running requests are served
-        in priority order from the head. So no victim ever holds slots allocated (and blocks
-        cached) for a step that will not run, and no budget needs refunding.
+        Callers pass only running requests not yet scheduled this step (in policy order), so
+        no victim ever holds slots allocated (and blocks cached) for a step that will not
+        run, and no budget needs refunding.
         """
-        victim = self.running.pop()
+        victim = self.policy.select_victim(candidates)
+        if not any(victim is candidate for candidate in candidates):
+            raise ValueError(
+                f"{type(self.policy).__name__}.select_victim returned {victim.request_id!r}, "
+                "which is not one of its candidates; return one of them"
+            )
+        self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -119,8 +134,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # Running requests first, in priority order (FCFS among equals: sort is stable).
-        self.running.sort(key=lambda r: r.sort_key)
+        # Running requests first, in policy order (arrival order among equals: sort is stable).
+        self.running.sort(key=self.policy.sort_key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -129,7 +144,8 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                if self._preempt(out) is request:
+                # running[:index] are scheduled this step: never preempted.
+                if self._preempt(out, self.running[index:]) is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 out.scheduled.append((request, num_new))
@@ -169,8 +185,9 @@ class Scheduler:
     def preempt_all(self) -> list[EngineRequest]:
         """Preempts every running request (e.g. after the device pool was lost)."""
         out = SchedulerOutput()
+        self.running.sort(key=self.policy.sort_key)
         while self.running:
-            self._preempt(out)
+            self._preempt(out, self.running)
         return out.preempted
 
     def finish(self, request: EngineRequest, status: RequestStatus) -> None:

@@ -46,7 +46,7 @@ def start_requests(llm, running: int, max_tokens: int, **params) -> None:
             **params,
         )
         engine.add_request(str(i), prompt, sampling)
-    scheduler = engine.scheduler
+    scheduler = engine.engine_core.scheduler
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         engine.step()
 
@@ -70,7 +70,7 @@ def on_device(args) -> None:
 
     llm = make_llm(args.running)
     engine = llm.llm_engine
-    engine.runner.warmup()
+    engine.engine_core.worker.runner.warmup()
     start_requests(llm, args.running, 10_000 // args.running + args.steps + 64)
     for _ in range(3):  # compiles the sampler's variant for these rows
         engine.step()
@@ -92,7 +92,7 @@ def on_device(args) -> None:
     total = time.perf_counter() - start
     model_runner.sample = dispatch_sample
     waiting = sum(waits)
-    running = len(engine.scheduler.running)
+    running = len(engine.engine_core.scheduler.running)
     report(
         "host_overhead",
         {
@@ -136,7 +136,7 @@ def host_only(args) -> None:
         if words is None:
             decode = llm.get_tokenizer().decode
             words = np.array([i for i in range(1000, 40000) if "\n" not in decode([i])])
-        engine.runner._forward = no_forward
+        engine.engine_core.worker.runner._forward = no_forward
         start_requests(llm, args.running, warm_steps + args.steps + 16, output_kind=kind)
         for _ in range(warm_steps):
             engine.step()
@@ -145,8 +145,8 @@ def host_only(args) -> None:
             start = time.thread_time()  # CPU time: steadier than wall time on a shared VM
             engine.step()
             cpu_times.append(time.thread_time() - start)
-        assert len(engine.scheduler.running) == args.running, "a request ended early"
-        assert engine.scheduler.num_preemptions == 0
+        assert len(engine.engine_core.scheduler.running) == args.running, "a request ended early"
+        assert engine.engine_core.scheduler.num_preemptions == 0
         name = kind.name.lower()
         median = statistics.median(cpu_times)
         result[f"{name}_us_per_step_median"] = 1e6 * median

@@ -105,8 +105,8 @@ def main() -> None:
         num_kv_blocks=kv_blocks(args.requests, 200 + args.tokens),
     )
     engine = llm.llm_engine
-    warmup_s = engine.runner.warmup()
-    compiled = engine.runner.num_compilations
+    warmup_s = engine.engine_core.worker.runner.warmup()
+    compiled = engine.engine_core.worker.runner.num_compilations
     result = {
         "workload": f"{args.requests} requests per rate, 25-200 prompt tokens x {args.tokens}",
         "warmup_s": warmup_s,
@@ -118,8 +118,10 @@ def main() -> None:
         arrivals = poisson_arrivals(rate, args.requests, seed)
         per_rate.append(run_rate(engine, prompts, arrivals, args.tokens, f"r{rate}"))
         result.update({f"rate_{rate:g}_{key}": value for key, value in per_rate[-1].items()})
-    result["compilations_after_warmup"] = engine.runner.num_compilations - compiled
-    result["preemptions"] = engine.scheduler.num_preemptions
+    result["compilations_after_warmup"] = (
+        engine.engine_core.worker.runner.num_compilations - compiled
+    )
+    result["preemptions"] = engine.engine_core.scheduler.num_preemptions
     report("latency", result)
     plot(rates, per_rate)
 

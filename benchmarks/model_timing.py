@@ -65,7 +65,7 @@ def main() -> None:
         "engine_build_s (model, tokenizer, packing)": built - imported,
         "first_step_s (prefill, compiles)": first[0],
         "first_decode_step_s (compiles)": first[1],
-        "compilations": engine.runner.num_compilations,
+        "compilations": engine.engine_core.worker.runner.num_compilations,
         "decode_ms_per_token_median": 1000 * statistics.median(decode),
         "prompt_tokens": len(prompt_ids),
     }

@@ -35,7 +35,7 @@ def run(engine, prompts: list[list[int]], n: int, tokens: int, tag: str) -> tupl
         for output in engine.step():
             if output.finished:
                 generated += sum(len(c.token_ids) for c in output.outputs)
-        peak = max(peak, engine.kv.block_pool.num_used_blocks)
+        peak = max(peak, engine.engine_core.kv_cache_manager.block_pool.num_used_blocks)
     return peak, generated, time.perf_counter() - start
 
 
@@ -66,11 +66,11 @@ def main() -> None:
     result = {
         "workload": f"{args.prompts} prompts x {args.prompt_tokens} tokens, {args.tokens} new "
         "tokens per sample, temperature 0.8",
-        "warmup_s": engine.runner.warmup(),
+        "warmup_s": engine.engine_core.worker.runner.warmup(),
     }
     for n in ns:  # untimed: compiles the sampler for this many rows
         run(engine, [p[:16] for p in prompts], n, 3, f"warm{n}")
-    compiled = engine.runner.num_compilations
+    compiled = engine.engine_core.worker.runner.num_compilations
     peaks = {}
     for n in ns:
         peak, generated, seconds = run(engine, prompts, n, args.tokens, f"n{n}")
@@ -80,8 +80,10 @@ def main() -> None:
         result[f"n{n}_seconds"] = seconds
         if ns[0] == 1:
             result[f"n{n}_blocks_vs_n_x_n1"] = peak / (n * peaks[1])
-    result["compilations_after_warmup"] = engine.runner.num_compilations - compiled
-    result["preemptions"] = engine.scheduler.num_preemptions
+    result["compilations_after_warmup"] = (
+        engine.engine_core.worker.runner.num_compilations - compiled
+    )
+    result["preemptions"] = engine.engine_core.scheduler.num_preemptions
     report("parallel_sampling", result)
 
 

@@ -28,7 +28,7 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
     """Runs all prompts at once; counts the prompt tokens the scheduler actually sends."""
     from pagedjax.sampling_params import SamplingParams
 
-    schedule = engine.scheduler.schedule
+    schedule = engine.engine_core.scheduler.schedule
     computed = 0
 
     def counting_schedule():
@@ -38,7 +38,7 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
             computed += max(0, min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens))
         return out
 
-    engine.scheduler.schedule = counting_schedule
+    engine.engine_core.scheduler.schedule = counting_schedule
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -48,7 +48,7 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
         generated += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
-    stats = engine.kv.prefix_cache_stats
+    stats = engine.engine_core.kv_cache_manager.prefix_cache_stats
     return {
         "seconds": elapsed,
         "output_tokens_per_s": generated / elapsed,
@@ -57,7 +57,7 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
         "prefill_tokens_computed": computed,
         "prompt_tokens_minus_cache_hits": prompt_tokens - stats.hits,
         "prefix_cache_hit_rate": stats.hit_rate,
-        "steps": engine.num_steps,
+        "steps": engine.engine_core.num_steps,
     }
 
 
@@ -101,9 +101,9 @@ def main() -> None:
         )
         engine = LLMEngine(config, model_config, params, tokenizer)
         if caching:  # the jit cache is shared: the second engine needs no warmup
-            result["warmup_s"] = engine.runner.warmup()
+            result["warmup_s"] = engine.engine_core.worker.runner.warmup()
         result.update({f"{mode}_{k}": v for k, v in run(engine, prompts, args.tokens).items()})
-        result[f"{mode}_compilations"] = engine.runner.num_compilations
+        result[f"{mode}_compilations"] = engine.engine_core.worker.runner.num_compilations
         del engine
         gc.collect()
     result["speedup_caching_on_vs_off"] = (

@@ -121,7 +121,7 @@ class StepLog:
 def run(llm, prompts: list, params: list) -> dict:
     """Drives the engine step by step; FLOP/s of the whole run and of the steady state."""
     engine = llm.llm_engine
-    log = StepLog(engine.scheduler, engine.model_config)
+    log = StepLog(engine.engine_core.scheduler, engine.model_config)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, p)
     ends, first_finish, finished = [], None, []
@@ -132,7 +132,7 @@ def run(llm, prompts: list, params: list) -> dict:
         finished += [o for o in outputs if o.finished]
         if first_finish is None and finished:
             first_finish = len(ends) - 1
-    engine.scheduler.schedule = log.schedule
+    engine.engine_core.scheduler.schedule = log.schedule
     total = sum(log.flops)
     # Each request's tokens computed once (the last output is sampled, never fed back): the
     # step log must add up to this, unless preemption made the engine recompute some.
@@ -187,7 +187,7 @@ def main() -> None:
     peak = matmul_peak(config, (args.max_num_seqs, args.max_num_batched_tokens))
     prompts, max_tokens = w2(llm.get_tokenizer(), 256)
     prompts, max_tokens = prompts[: args.requests], max_tokens[: args.requests]
-    llm.llm_engine.runner.warmup()
+    llm.llm_engine.engine_core.worker.runner.warmup()
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     result = run(llm, prompts, params)
     best = max(peak.values())

@@ -64,6 +64,7 @@ def main() -> None:
         wave(count, done)
         done += count
     end_rss = rss_mib()
+    core = engine.engine_core
     report(
         "soak",
         {
@@ -72,8 +73,8 @@ def main() -> None:
             "rss_start_mib": start_rss,
             "rss_end_mib": end_rss,
             "rss_growth_pct": 100 * (end_rss - start_rss) / start_rss,
-            "blocks_in_use_after_drain": engine.kv.block_pool.num_used_blocks,
-            "compilations": engine.runner.num_compilations,
+            "blocks_in_use_after_drain": core.kv_cache_manager.block_pool.num_used_blocks,
+            "compilations": core.worker.runner.num_compilations,
         },
     )
 

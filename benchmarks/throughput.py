@@ -138,8 +138,8 @@ def main() -> None:
     sampled = args.temperature > 0
     label += f", temperature {args.temperature} top-p {args.top_p}" if sampled else ", greedy"
     engine = llm.llm_engine
-    warmup_s = engine.runner.warmup()
-    compiled = engine.runner.num_compilations
+    warmup_s = engine.engine_core.worker.runner.warmup()
+    compiled = engine.engine_core.worker.runner.num_compilations
     params = [
         SamplingParams(
             temperature=args.temperature, top_p=args.top_p, seed=i, max_tokens=m, ignore_eos=True
@@ -160,9 +160,9 @@ def main() -> None:
         "total_tokens_per_s": (generated + prompt_tokens) / elapsed,
         "warmup_s": warmup_s,
         "compilations_in_warmup": compiled,
-        "compilations_after_warmup": engine.runner.num_compilations - compiled,
-        "steps": engine.num_steps,
-        "preemptions": engine.scheduler.num_preemptions,
+        "compilations_after_warmup": engine.engine_core.worker.runner.num_compilations - compiled,
+        "steps": engine.engine_core.num_steps,
+        "preemptions": engine.engine_core.scheduler.num_preemptions,
     }
     if args.peer:
         n = args.peer_requests or count

@@ -13,7 +13,7 @@ the signature `models.llama` calls `attention_fn` with, so the engine swaps it i
 Both kernels are Pallas on the Triton lowering; interpret=None interprets on CPU (the CI path)
 and compiles on GPU. The environment variable PAGEDJAX_PALLAS_INTERPRET=0/1 overrides that.
 
-`PALLAS` (a `PallasBackend`) is the same function as an `AttentionBackend` (`backend.py`).
+`PALLAS` is the same function as an `AttentionBackend` (`backend.py`).
 
 The kernels trust the block tables: an out-of-range page id is not checked (a GPU gather would
 read foreign memory; interpret mode clamps it silently). The block manager builds every table
@@ -23,13 +23,12 @@ from pages it handed out, and pads with NULL_BLOCK, so the tables are valid by c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.backend import AttentionSpec
+from kernels_pallas.backend import AttentionSpec, FunctionBackend
 from kernels_pallas.decode_attention import (
     DecodeConfig,
     choose_num_splits,
@@ -169,53 +168,30 @@ def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@dataclass(frozen=True)
-class PallasBackend:
-    """`paged_attention` as an `AttentionBackend`: the Pallas kernels, compiled on a GPU and
-    interpreted elsewhere (correct but slow: for tests)."""
-
-    name: str = field(default="pallas", init=False)
-    # The ragged kernel's grid and the split-K heuristic follow the block-table width.
-    cost_follows_context: bool = field(default=False, init=False)
-
-    def supports(self, spec: AttentionSpec) -> str | None:
-        """None if the kernels run `spec`, else why not."""
-        if spec.num_q_heads % spec.num_kv_heads:
-            return f"{spec.num_q_heads} query heads are not a multiple of {spec.num_kv_heads}"
-        if not _is_power_of_2(spec.block_size):
-            return f"block_size {spec.block_size} is not a power of two"
-        # Triton tensors have power-of-two sizes, and its dots at least 16 rows and columns.
-        if not _is_power_of_2(spec.head_dim) or not 16 <= spec.head_dim <= 256:
-            return f"head_dim {spec.head_dim} is not a power of two from 16 to 256"
-        try:
-            matmul_dtype(jnp.dtype(spec.kv_dtype))
-        except (TypeError, ValueError):
-            return f"no Pallas kernel for KV pool dtype {spec.kv_dtype}"
-        return None
-
-    def __call__(
-        self,
-        q: jax.Array,
-        cache: KVCache,
-        layer: jax.Array | int,
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: jax.Array | int | None = None,
-        soft_cap: float | None = None,
-    ) -> jax.Array:
-        return paged_attention(
-            q, cache, layer, metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+def _supports(spec: AttentionSpec) -> str | None:
+    """None if the kernels run `spec`, else why not."""
+    if spec.num_q_heads % spec.num_kv_heads:
+        return f"{spec.num_q_heads} query heads are not a multiple of {spec.num_kv_heads}"
+    if not _is_power_of_2(spec.block_size):
+        return f"block_size {spec.block_size} is not a power of two"
+    # Triton tensors have power-of-two sizes, and its dots at least 16 rows and columns.
+    if not _is_power_of_2(spec.head_dim) or not 16 <= spec.head_dim <= 256:
+        return f"head_dim {spec.head_dim} is not a power of two from 16 to 256"
+    try:
+        matmul_dtype(jnp.dtype(spec.kv_dtype))
+    except (TypeError, ValueError):
+        return f"no Pallas kernel for KV pool dtype {spec.kv_dtype}"
+    return None
 
 
-PALLAS = PallasBackend()
+# The kernels compiled on a GPU and interpreted elsewhere (correct but slow: for tests). The
+# ragged kernel's grid and the split-K heuristic follow the block-table width.
+PALLAS = FunctionBackend("pallas", paged_attention, cost_follows_context=False, check=_supports)
 
 __all__ = [
     "INTERPRET_ENV",
     "PALLAS",
     "DecodeConfig",
-    "PallasBackend",
     "RaggedConfig",
     "choose_num_splits",
     "device_sm_count",

@@ -58,10 +58,6 @@ class ModelConfig:
         mlp = 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * (attn + mlp)
 
-    def num_params(self) -> int:
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layer_params() + embed
-
     def inv_freq(self) -> np.ndarray:
         """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)

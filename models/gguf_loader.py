@@ -1,7 +1,7 @@
 """Reads GGUF model files (llama.cpp's format) into a Hugging Face config and float32 weights.
 
-`gguf.GGUFReader` builds a Python object per metadata array element, so on the default
-SmolLM2 file (49k tokens, 49k merges) it spends ~4 s before touching a weight. We therefore
+`gguf.GGUFReader` builds a Python object per metadata array element, so on a file with a
+large vocabulary it spends seconds before touching a weight. We therefore
 parse the header ourselves (it is a simple length-prefixed format) from a memory map, and
 dequantize with whole-tensor numpy operations that reproduce `gguf.quants.dequantize` bit for
 bit (the tests check both against gguf and against transformers' own GGUF loader).
@@ -583,8 +583,8 @@ def _tokenizer_metadata(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 def _tokenizer_class(architecture: str) -> type:
     """The class AutoTokenizer picks for a GGUF: TOKENIZER_MAPPING[model_type], else the backend.
 
-    Hard-coded for our architectures because importing AutoTokenizer's mapping imports torch
-    (+3 s); the tests check the choice against AutoTokenizer.
+    Hard-coded for our architectures because importing AutoTokenizer's mapping imports torch,
+    which takes seconds; the tests check the choice against AutoTokenizer.
     """
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -600,8 +600,8 @@ def gguf_tokenizer(path: str | os.PathLike) -> Any:
     """The transformers tokenizer stored in a GGUF file (a fast, `tokenizers`-backed one).
 
     Behaves exactly like `AutoTokenizer.from_pretrained(dir, gguf_file=name)` (the tests compare
-    them), in ~1.5 s instead of 6-16 s: transformers spends most of that parsing the 49k-token
-    vocabulary and merges with gguf.GGUFReader, and the model config with it. We parse the
+    them), several times faster: transformers spends most of its time parsing the vocabulary
+    and merges with gguf.GGUFReader, and the model config with it. We parse the
     header ourselves and hand the tokenizer metadata to transformers' own converter
     (`convert_gguf_tokenizer`), so the conversion logic stays theirs.
     """

@@ -38,13 +38,9 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
-def _chat_prompt(llm, messages: list[dict]) -> list[int]:
-    tokenizer = llm.get_tokenizer()
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def _generate(args: argparse.Namespace) -> int:
+    from pagedjax.llm import chat_prompt_ids
+
     start = time.perf_counter()
     llm = _make_llm(args)
     loaded = time.perf_counter()
@@ -52,7 +48,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.no_chat_template or not llm.get_tokenizer().chat_template:
         prompts = list(args.prompts)
     else:
-        prompts = [_chat_prompt(llm, [{"role": "user", "content": p}]) for p in args.prompts]
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in args.prompts
+        ]
     if args.stream:
         for output in llm.stream(prompts, params):
             if len(prompts) == 1:
@@ -75,6 +74,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from pagedjax.llm import chat_prompt_ids
+
     llm = _make_llm(args)
     params = _sampling_params(args)
     messages: list[dict] = []
@@ -88,7 +89,7 @@ def _chat(args: argparse.Namespace) -> int:
             break
         messages.append({"role": "user", "content": user})
         reply = ""
-        for output in llm.stream([_chat_prompt(llm, messages)], params):
+        for output in llm.stream([chat_prompt_ids(llm.get_tokenizer(), messages)], params):
             print(output.deltas[0], end="", flush=True)
             reply = output.outputs[0].text
         print()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedjax.attention import BACKENDS
+from pagedjax.core.sched_policy import POLICIES
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
@@ -32,6 +33,9 @@ class EngineConfig:
     dtype: str = "float32"  # weights and activations
     kv_cache_dtype: str = "auto"  # "auto" follows dtype; "fp8" (e4m3) halves KV bytes vs bf16
     seed: int = 0  # seeds the draws of requests that give no seed
+    # Queue order and preemption victims: "priority" (lower value first, then arrival) or
+    # "fcfs" (arrival only), as in vLLM; policies live in pagedjax/core/sched_policy.py.
+    scheduling_policy: str = "priority"
     # After start-up, move the objects alive then out of the collector's generations (as vLLM
     # does), so full collections stop rescanning the model's and tokenizer's objects.
     freeze_gc: bool = True
@@ -63,6 +67,10 @@ class EngineConfig:
         check(
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,
             f"num_kv_blocks must be at least 2 (one is the null block): {self.num_kv_blocks}",
+        )
+        check(
+            self.scheduling_policy in POLICIES,
+            f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.scheduling_policy!r}",
         )
         check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         check(

@@ -95,6 +95,10 @@ class IncrementalDetokenizer:
         return self._ids[self._num_context :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self._ids) - self._num_context
+
+    @property
     def output_text(self) -> str:
         """The final text so far: without held-back text, cut at a matched stop string."""
         return self._text

@@ -13,6 +13,13 @@ from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 Prompt = str | list[int]
 
 
+def chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """The token ids of a conversation under the model's chat template, ready for the
+    assistant's reply."""
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     """`LLM(model=None, **engine_options)`: None means the default SmolLM2-135M-Instruct."""
 
@@ -125,12 +132,5 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False,
-            )
-            for c in conversations
-        ]
+        prompts = [chat_prompt_ids(self.get_tokenizer(), c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -61,7 +61,7 @@ def test_default_model_config(llm):
     )
     assert config.head_dim == 64 and config.vocab_size == 49152 and config.tie_word_embeddings
     # Tied embeddings are held once: on the CPU as the packed LM head, which serves lookups too.
-    params = llm.llm_engine.runner.params
+    params = llm.llm_engine.engine_core.worker.runner.params
     assert ("lm_head" in params) != ("embed" in params)
     # The file's Q4_1 layers and Q8_0 embeddings are run as stored (exactly; tested below).
     from pagedjax.cpu_native.matmul import QuantizedWeight

@@ -102,7 +102,9 @@ def test_greedy_invariant_to_chunked_prefill(tiny, reference_run):
     prompts, expected = reference_run
     engine = make_engine(tiny, max_num_batched_tokens=8)
     assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
-    assert engine.num_steps > len(prompts) * 12 // 8  # prompts of up to 40 tokens were chunked
+    assert (
+        engine.engine_core.num_steps > len(prompts) * 12 // 8
+    )  # prompts of up to 40 tokens were chunked
 
 
 def test_greedy_invariant_to_long_prefill_threshold(tiny, reference_run):
@@ -117,9 +119,9 @@ def test_greedy_invariant_to_preemption(tiny, reference_run):
         tiny, num_kv_blocks=14, block_size=8, max_model_len=64, enable_prefix_caching=False
     )
     assert tokens_of(run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))) == expected
-    print(f"preemptions: {engine.scheduler.num_preemptions}")
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.kv.num_free_blocks == 13
+    print(f"preemptions: {engine.engine_core.scheduler.num_preemptions}")
+    assert engine.engine_core.scheduler.num_preemptions > 0
+    assert engine.engine_core.kv_cache_manager.num_free_blocks == 13
 
 
 def test_greedy_invariant_to_max_num_seqs(tiny, reference_run):
@@ -139,9 +141,9 @@ def test_greedy_invariant_to_prefix_caching(tiny):
     first = tokens_of(run(with_cache, prompts[:1], params))
     rest = tokens_of(run(with_cache, prompts[1:], params))
     assert first + rest == expected
-    stats = with_cache.kv.prefix_cache_stats
+    stats = with_cache.engine_core.kv_cache_manager.prefix_cache_stats
     print(f"prefix cache: {stats.hits} of {stats.queries} tokens hit ({stats.hit_rate:.0%})")
-    assert with_cache.kv.prefix_cache_stats.hits >= 5 * 40 // 8 * 8
+    assert with_cache.engine_core.kv_cache_manager.prefix_cache_stats.hits >= 5 * 40 // 8 * 8
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
@@ -161,33 +163,33 @@ def test_parallel_sampling_shares_prompt_blocks(tiny):
         "p", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
     )
     engine.step()  # prefill + the first token of all four samples
-    used = engine.kv.block_pool.num_used_blocks
+    used = engine.engine_core.kv_cache_manager.block_pool.num_used_blocks
     assert used == 5  # the prompt's 5 blocks, shared by 4 sequences, not 20
     engine.step()  # each sample writes into the shared partial block: copy-on-write
-    assert engine.kv.block_pool.num_used_blocks == 5 + 3
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 5 + 3
     outputs = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs = out
     assert len(outputs.outputs) == 4 and all(len(c.token_ids) == 6 for c in outputs.outputs)
     assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_every_step_updates_the_donated_pool_in_place(tiny):
     """Prefill, decode and copy-on-write steps write into the pool's own buffers: the step
     donates the pool, so XLA aliases it to the output and no step copies the cache."""
     engine = make_engine(tiny, block_size=8, num_kv_blocks=64)
-    first_pool = jax.tree.leaves(engine.runner.kv_cache)
+    first_pool = jax.tree.leaves(engine.engine_core.worker.runner.kv_cache)
     buffers = [leaf.unsafe_buffer_pointer() for leaf in first_pool]
     prompt = make_prompts(1, seed=6, lo=36, hi=37)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True)
     engine.add_request("p", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.num_steps == 5
+    assert engine.engine_core.num_steps == 5
     assert all(leaf.is_deleted() for leaf in first_pool)  # donated to the first step
-    pool = jax.tree.leaves(engine.runner.kv_cache)
+    pool = jax.tree.leaves(engine.engine_core.worker.runner.kv_cache)
     assert [leaf.unsafe_buffer_pointer() for leaf in pool] == buffers
 
 
@@ -200,7 +202,7 @@ def test_abort_mid_flight_frees_every_block(tiny):
         engine.step()  # some mid-prefill, some waiting
     engine.abort_request(["0", "1", "2", "3"])
     assert not engine.has_unfinished_requests()
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_stops_and_lengths(tiny):
@@ -281,10 +283,10 @@ def test_eos_min_tokens_and_ignore_eos(tiny):
 
 def test_steady_workload_compiles_nothing_after_warmup(tiny):
     engine = make_engine(tiny, max_num_seqs=8)
-    engine.runner.warmup()
-    compiled = engine.runner.num_compilations
+    engine.engine_core.worker.runner.warmup()
+    compiled = engine.engine_core.worker.runner.num_compilations
     run(engine, make_prompts(12, seed=10), SamplingParams(max_tokens=9, **GREEDY))
-    assert engine.runner.num_compilations == compiled
+    assert engine.engine_core.worker.runner.num_compilations == compiled
 
 
 def test_token_buckets_end_at_the_budget_and_pad_little():
@@ -354,8 +356,8 @@ def test_prompt_logprobs_match_transformers(tiny):
                 top = [t for t, e in entry.items() if e.rank is not None and e.rank <= 3]
                 assert sorted(top) == sorted(np.argsort(-row)[:3].tolist()), name
         if name == "preempted":
-            assert engine.scheduler.num_preemptions > 0
-        assert engine.kv.block_pool.num_used_blocks == 0
+            assert engine.engine_core.scheduler.num_preemptions > 0
+        assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_prompt_logprobs_arrive_once_in_delta_outputs(tiny):
@@ -390,7 +392,7 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(tiny):
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outputs] == ["ok"]
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny):
@@ -433,7 +435,7 @@ def test_every_backend_gives_the_reference_tokens(tiny, backend):
     params = SamplingParams(max_tokens=4, **GREEDY)
     expected = tokens_of(run(make_engine(tiny, attention_backend="reference"), prompts, params))
     engine = make_engine(tiny, attention_backend=backend, max_num_batched_tokens=16)
-    assert engine.worker.attention.name == backend
+    assert engine.engine_core.worker.attention.name == backend
     assert tokens_of(run(engine, prompts, params)) == expected
 
 
@@ -441,7 +443,7 @@ def test_a_backend_that_cannot_run_the_model_says_why(tiny):
     with pytest.raises(ValueError, match="cpu_native: it reads float32 pools only"):
         make_engine(tiny, attention_backend="cpu_native", kv_cache_dtype="bfloat16")
     auto = make_engine(tiny, kv_cache_dtype="bfloat16")  # "auto" takes the next that can
-    assert auto.worker.attention.name == "xla"
+    assert auto.engine_core.worker.attention.name == "xla"
 
 
 def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
@@ -450,9 +452,11 @@ def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):
     fp8 = make_engine(tiny, kv_cache_dtype="fp8")
     outputs = run(fp8, prompts, params)
     assert all(len(o.outputs[0].token_ids) == 5 for o in outputs)
-    assert fp8.runner.kv_cache.k.dtype == jnp.float8_e4m3fn
+    assert fp8.engine_core.worker.runner.kv_cache.k.dtype == jnp.float8_e4m3fn
     f32 = make_engine(tiny)
-    assert fp8.kv.kv_spec.bytes_per_block(16) * 4 == f32.kv.kv_spec.bytes_per_block(16)
+    assert fp8.engine_core.kv_cache_manager.kv_spec.bytes_per_block(
+        16
+    ) * 4 == f32.engine_core.kv_cache_manager.kv_spec.bytes_per_block(16)
 
 
 def test_block_size_defaults_by_platform(tiny):
@@ -463,7 +467,34 @@ def test_block_size_defaults_by_platform(tiny):
     assert (GpuPlatform().default_block_size, cpu_platform().default_block_size) == (16, 64)
     assert make_engine(tiny).config.block_size == 64
     explicit = make_engine(tiny, block_size=8)
-    assert explicit.config.block_size == explicit.kv.block_size == 8
+    assert explicit.config.block_size == explicit.engine_core.kv_cache_manager.block_size == 8
+
+
+def test_the_scheduling_policy_is_an_engine_option(tiny):
+    """FCFS chosen by name drives the scheduler; under a pool too small for every request it
+    preempts, and the greedy tokens do not change."""
+    from pagedjax.core.sched_policy import FCFSPolicy
+
+    prompts = make_prompts(4, seed=21, lo=20, hi=40)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    expected = tokens_of(run(make_engine(tiny), prompts, params))
+    fcfs = make_engine(
+        tiny, scheduling_policy="fcfs", num_kv_blocks=9, block_size=8, max_model_len=64
+    )
+    assert isinstance(fcfs.engine_core.scheduler.policy, FCFSPolicy)
+    assert tokens_of(run(fcfs, prompts, params)) == expected
+    assert fcfs.engine_core.scheduler.num_preemptions > 0
+
+
+def test_gc_freeze_can_be_turned_off(tiny, monkeypatch):
+    import gc
+
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    make_engine(tiny, freeze_gc=False)
+    assert not frozen
+    make_engine(tiny)
+    assert frozen == [True]
 
 
 @pytest.mark.parametrize(
@@ -475,6 +506,7 @@ def test_block_size_defaults_by_platform(tiny):
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(num_kv_blocks=1), "num_kv_blocks"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
     ],
 )
 def test_invalid_engine_config_names_the_option(options, message):

@@ -35,48 +35,51 @@ def test_a_failing_step_fails_only_its_requests(tiny_loaded, donated_pool_lost):
     params = SamplingParams(max_tokens=6, **GREEDY)
     expected = tokens_of(run(make_engine(tiny_loaded), prompts, params))
 
-    real_execute = engine.runner.execute
+    real_execute = engine.engine_core.worker.runner.execute
 
     def failing_execute(*args, **kwargs):
         if donated_pool_lost:
-            for leaf in (engine.runner.kv_cache.k, engine.runner.kv_cache.v):
+            for leaf in (
+                engine.engine_core.worker.runner.kv_cache.k,
+                engine.engine_core.worker.runner.kv_cache.v,
+            ):
                 leaf.delete()  # what a failure inside the donating jitted call leaves behind
         raise RuntimeError("injected device failure")
 
     engine.add_request("a", prompts[0], params)
     engine.step()
-    engine.runner.execute = failing_execute
+    engine.engine_core.worker.runner.execute = failing_execute
     outputs = engine.step()
-    engine.runner.execute = real_execute
+    engine.engine_core.worker.runner.execute = real_execute
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "error")]
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"later{i}", prompt, params)
     done = drain(engine)
     assert [done[f"later{i}"].outputs[0].token_ids for i in range(3)] == expected
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_nan_logits_finish_that_request_with_an_error(tiny_loaded):
     engine = make_engine(tiny_loaded)
-    real_forward = engine.runner._forward
+    real_forward = engine.engine_core.worker.runner._forward
 
     def forward_with_nan_row(*args):
         logits, cache = real_forward(*args)
         return logits.at[0].set(jnp.nan), cache  # the first sampled row of every step
 
-    engine.runner._forward = forward_with_nan_row
+    engine.engine_core.worker.runner._forward = forward_with_nan_row
     prompts = make_prompts(2, seed=21)
     engine.add_request("poisoned", prompts[0], SamplingParams(max_tokens=4, **GREEDY))
     done = drain(engine)
-    engine.runner._forward = real_forward
+    engine.engine_core.worker.runner._forward = real_forward
     engine.add_request("healthy", prompts[1], SamplingParams(max_tokens=4, **GREEDY))
     done.update(drain(engine))
     poisoned = done["poisoned"].outputs[0]
     assert poisoned.finish_reason == "error" and poisoned.token_ids == []
     assert len(done["healthy"].outputs[0].token_ids) == 4
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_parallel_sampling_group_fails_as_a_whole(tiny_loaded):
@@ -87,12 +90,15 @@ def test_parallel_sampling_group_fails_as_a_whole(tiny_loaded):
     def failing_execute(*args, **kwargs):
         raise RuntimeError("injected")
 
-    real_execute, engine.runner.execute = engine.runner.execute, failing_execute
+    real_execute, engine.engine_core.worker.runner.execute = (
+        engine.engine_core.worker.runner.execute,
+        failing_execute,
+    )
     outputs = engine.step()
-    engine.runner.execute = real_execute
+    engine.engine_core.worker.runner.execute = real_execute
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
     assert not engine.has_unfinished_requests()
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_oversubscribed_pool_completes_everything_exactly(tiny_loaded):
@@ -107,10 +113,10 @@ def test_oversubscribed_pool_completes_everything_exactly(tiny_loaded):
     )
     outputs = run(engine, prompts, params)
     assert tokens_of(outputs) == expected
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.engine_core.scheduler.num_preemptions
     print(f"4x oversubscribed: {preemptions} preemptions for {len(prompts)} requests")
     assert 0 < preemptions <= 4 * len(prompts)
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_abort_in_every_state_frees_exactly_once(tiny_loaded):
@@ -126,7 +132,7 @@ def test_abort_in_every_state_frees_exactly_once(tiny_loaded):
         if not engine.has_unfinished_requests():
             break
         engine.step()
-        for seq in engine.scheduler.running + engine.scheduler.waiting:
+        for seq in engine.engine_core.scheduler.running + engine.engine_core.scheduler.waiting:
             if seq.status.value == "waiting" or seq.status.value == "preempted":
                 state = seq.status.value
             elif seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -135,18 +141,20 @@ def test_abort_in_every_state_frees_exactly_once(tiny_loaded):
                 state = "decoding"
             if state not in states_seen:
                 states_seen.add(state)
-                used = engine.kv.block_pool.num_used_blocks
+                used = engine.engine_core.kv_cache_manager.block_pool.num_used_blocks
                 held = (
-                    len(engine.kv.get_block_ids(seq))
-                    if engine.kv.has_request(seq.request_id)
+                    len(engine.engine_core.kv_cache_manager.get_block_ids(seq))
+                    if engine.engine_core.kv_cache_manager.has_request(seq.request_id)
                     else 0
                 )
                 engine.abort_request(seq.request_id)
                 engine.abort_request(seq.request_id)  # twice: the second does nothing
-                assert engine.kv.block_pool.num_used_blocks <= used
-                assert not engine.kv.has_request(seq.request_id) or held == 0
+                assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks <= used
+                assert (
+                    not engine.engine_core.kv_cache_manager.has_request(seq.request_id) or held == 0
+                )
                 break
     assert states_seen >= {"waiting", "prefilling", "decoding", "preempted"}, states_seen
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -104,7 +104,7 @@ def test_fuzz_workloads(tiny_loaded):
                 if abort_at == step and request_id not in done:
                     engine.abort_request(request_id)
                     aborted.add(request_id)
-            live = engine.scheduler.running + engine.scheduler.waiting
+            live = engine.engine_core.scheduler.running + engine.engine_core.scheduler.waiting
             chains.update(tuple(r.all_token_ids) for r in live)  # every chain the cache may key
             for out in engine.step():
                 if out.finished:
@@ -127,14 +127,14 @@ def test_fuzz_workloads(tiny_loaded):
             if scored:
                 got = prompt_logprobs_of(done[request_id])
                 assert got == pytest.approx(prompt_logprobs, abs=1e-5), request_id
-        pool = engine.kv.block_pool
+        pool = engine.engine_core.kv_cache_manager.block_pool
         assert pool.num_used_blocks == 0
         assert all(block.ref_cnt == 0 for block in pool.blocks[1:])
         real_chains = {h for chain in chains for h in hash_request_tokens(chain, block_size)}
         assert set(pool.cached_blocks) <= real_chains
         totals["requests"] += len(plans)
         totals["aborted"] += len(aborted)
-        totals["preemptions"] += engine.scheduler.num_preemptions
-        totals["hit_tokens"] += engine.kv.prefix_cache_stats.hits
+        totals["preemptions"] += engine.engine_core.scheduler.num_preemptions
+        totals["hit_tokens"] += engine.engine_core.kv_cache_manager.prefix_cache_stats.hits
     print(f"fuzz: {NUM_WORKLOADS} workloads, {totals}")
     assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["aborted"] > 0

@@ -781,10 +781,12 @@ def test_engine_runs_a_gguf_quantized_weights_as_stored(tmp_path: Path, monkeypa
         return [done[str(i)].outputs[0].token_ids for i in range(2)]
 
     quantized = LLMEngine(settings, tokenizer=tokenizer)
-    assert isinstance(quantized.runner.params["lm_head"], QuantizedWeight)
+    assert isinstance(quantized.engine_core.worker.runner.params["lm_head"], QuantizedWeight)
     plain = LLMEngine(settings, *load_model(path), tokenizer)
-    assert isinstance(plain.runner.params["lm_head"], PackedWeight)
+    assert isinstance(plain.engine_core.worker.runner.params["lm_head"], PackedWeight)
     assert greedy(quantized) == greedy(plain)
 
     monkeypatch.setattr(build, "available", lambda: False)
-    assert isinstance(LLMEngine(settings, tokenizer=tokenizer).runner.params["embed"], jax.Array)
+    assert isinstance(
+        LLMEngine(settings, tokenizer=tokenizer).engine_core.worker.params["embed"], jax.Array
+    )

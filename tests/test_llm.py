@@ -66,7 +66,7 @@ def test_failed_add_leaves_nothing_behind(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["w5 w6", "w7 " * 70], GREEDY, use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 def test_interrupt_leaves_the_engine_usable(llm, monkeypatch):
@@ -84,7 +84,7 @@ def test_interrupt_leaves_the_engine_usable(llm, monkeypatch):
         llm.generate(["w5 w6 w7"] * 4, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     assert not engine.has_unfinished_requests()
-    assert engine.kv.block_pool.num_used_blocks == 0
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
     assert len(llm.generate("w5 w6 w7", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 5
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,87 @@ def test_ruff_clean():
     for args in (["check"], ["format", "--check"]):
         result = subprocess.run(["ruff", *args, "."], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The layers, lowest first: a module imports from its own layer or the ones below it.
+LAYERS = [
+    ("kernels_pallas",),  # attention kernels and the KV layout
+    ("models",),  # the model as pure functions over the pool
+    ("pagedjax.core", "pagedjax.errors", "pagedjax.sampling_params"),  # host side, no JAX
+    ("pagedjax",),  # the engine, its platforms and its APIs
+]
+# Where platform differences may live: only these import the CPU's native kernels.
+CPU_NATIVE_USERS = ("pagedjax/platforms/", "pagedjax/cpu_native/")
+
+
+def _layer(module: str) -> int | None:
+    """The layer of the longest prefix the module matches; None outside the project."""
+    matches = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1] if matches else None
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Absolute modules a file imports when it runs (imports under TYPE_CHECKING excluded)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    modules = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+def _package_files() -> list[tuple[str, Path]]:
+    files = []
+    for package in ("kernels_pallas", "models", "pagedjax"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).with_suffix("")
+            module = ".".join(relative.parts).removesuffix(".__init__")
+            files.append((module, path))
+    return files
+
+
+def test_nothing_imports_upward():
+    problems = []
+    for module, path in _package_files():
+        own = _layer(module)
+        for imported in _runtime_imports(path):
+            layer = _layer(imported)
+            if layer is not None and layer > own:
+                problems.append(f"{module} (layer {own}) imports {imported} (layer {layer})")
+    assert not problems, "\n".join(problems)
+
+
+def test_core_imports_no_jax_and_models_no_native_kernels():
+    for module, path in _package_files():
+        imports = _runtime_imports(path)
+        roots = {name.split(".")[0] for name in imports}
+        if module.startswith("pagedjax.core"):
+            assert not roots & {"jax", "jaxlib", "numpy"}, (module, roots)
+        relative = path.relative_to(ROOT).as_posix()
+        if not relative.startswith(CPU_NATIVE_USERS):
+            native = [name for name in imports if name.startswith("pagedjax.cpu_native")]
+            assert not native, f"{relative} imports {native}: only the platform chooses them"
+
+
+def test_importing_the_core_imports_no_jax():
+    code = "import sys, pagedjax.core.scheduler; print('jax' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.strip() == "False"

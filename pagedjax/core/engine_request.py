@@ -1,10 +1,10 @@
-"""A request as the scheduler and engine see it: tokens, sampling params, status, timings."""
+"""A sequence as the scheduler sees it: tokens, sampling params, limits, status."""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Hashable
+from collections.abc import Sequence
 
 from pagedjax.core.request import Request
 from pagedjax.sampling_params import SamplingParams
@@ -25,13 +25,24 @@ class RequestStatus(enum.Enum):
         self.finished = value in ("stop", "length", "abort", "error")
 
 
+def request_finished(n: int, statuses: Sequence[RequestStatus | None]) -> bool:
+    """Whether a user request with n completions is over, given its sequences' statuses, the
+    parent's first (None: running). The children exist once the parent has forked them, so
+    before that only an error or an abort of the parent ends the request."""
+    complete = len(statuses) == n or statuses[0] in (
+        RequestStatus.FINISHED_ERROR,
+        RequestStatus.FINISHED_ABORTED,
+    )
+    return complete and all(s is not None and s.finished for s in statuses)
+
+
 class EngineRequest(Request):
-    """One sequence being generated. For n > 1 the engine forks children that share the
-    parent's prompt blocks; each child is an EngineRequest of its own with `parent_id` set."""
+    """One sequence being generated. For n > 1 the scheduler forks the parent's n - 1
+    siblings when it samples its first token (`make_child`); they share its blocks."""
 
     def __init__(
         self,
-        request_id: Hashable,
+        request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
@@ -40,7 +51,8 @@ class EngineRequest(Request):
         priority: int = 0,
         arrival_time: float | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
-        parent_id: Hashable | None = None,
+        min_tokens_banned: frozenset[int] = frozenset(),
+        parent: EngineRequest | None = None,
         sample_index: int = 0,
     ):
         super().__init__(request_id, prompt_token_ids)
@@ -50,19 +62,47 @@ class EngineRequest(Request):
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.stop_token_ids = stop_token_ids  # eos (unless ignore_eos) + params.stop_token_ids
-        self.parent_id = parent_id
+        # Tokens whose logits are -inf until min_tokens are out: stop tokens and EOS.
+        self.min_tokens_banned = min_tokens_banned
+        self.parent = parent
+        self.children: list[EngineRequest] = []  # the n - 1 siblings, once forked
+        self.group_id = request_id if parent is None else parent.group_id  # the user's id
         self.sample_index = sample_index
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | None = None
         self.num_preemptions = 0
-        self.num_returned_tokens = 0  # output tokens already in a DELTA output
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] = []
-        self.first_token_time: float | None = None
-        # The scheduler admits it without prefix-cache hits (prompt logprobs still to compute).
-        self.skip_prefix_cache = False
-        self.finish_time: float | None = None
+        # Prompt positions whose logprobs are computed (the first token has none to compute);
+        # the parent computes them for the whole request.
+        asked = params.prompt_logprobs is not None and parent is None
+        self.num_prompt_logprobs = 1 if asked else 0
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Admit without prefix-cache hits: cached prompt tokens are not computed, so their
+        prompt logprobs would be missing (as in vLLM)."""
+        return 0 < self.num_prompt_logprobs < self.num_prompt_tokens
+
+    @property
+    def group(self) -> list[EngineRequest]:
+        """The user request's sequences: the parent, then its children."""
+        root = self.parent or self
+        return [root, *root.children]
+
+    def make_child(self, index: int) -> EngineRequest:
+        """Sibling `index` of this parent: its prompt and limits, a seed of its own."""
+        return EngineRequest(
+            f"{self.request_id}#{index}",
+            self.prompt_token_ids,
+            self.params,
+            max_tokens=self.max_tokens,
+            seed=self.seed + index,
+            priority=self.priority,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens_banned=self.min_tokens_banned,
+            parent=self,
+            sample_index=index,
+        )

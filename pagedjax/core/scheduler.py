@@ -1,4 +1,5 @@
-"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption.
+"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption; and the
+update of each step's requests from what the model produced.
 
 There are no prefill and decode phases. Each request has computed tokens (KV in the pool) and
 known tokens (prompt + sampled); a step gives running requests their next tokens first (one
@@ -8,32 +9,38 @@ preempted by recompute: its blocks are freed (their cached hashes survive, so it
 hits its own prefix cache) and it goes back to the front of the waiting queue. The
 `SchedulingPolicy` orders both queues and picks the victim (by default: lower priority value
 first, then earlier arrival; the lowest-priority, latest-arrived request is preempted).
+
+n > 1: a parent reserves sequence slots for its n - 1 siblings until it samples its first
+token; in that step each sibling samples from the parent's logits too, and then shares the
+parent's blocks (copy-on-write) instead of prefilling the prompt again.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import logging
 
-from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SampleRow,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
+
+logger = logging.getLogger(__name__)
 
 
 def _sequence_slots(request: EngineRequest) -> int:
     """Sequence slots a request holds: a parent that has not sampled yet reserves one for each
-    of the n - 1 siblings it will fork (see LLMEngine.step)."""
+    of the n - 1 siblings it will fork."""
     if request.sample_index == 0 and request.num_output_tokens == 0:
         return request.params.n
     return 1
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)  # batch order
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW, before the step
-    preempted: list[EngineRequest] = field(default_factory=list)
 
 
 DEFAULT_POLICY = PriorityPolicy()
@@ -59,7 +66,9 @@ class Scheduler:
         # In policy order, except that preempted requests re-enter at the front.
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []  # in policy order from each step's start
+        self.requests: dict[str, EngineRequest] = {}  # unfinished user requests' parents
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
@@ -86,17 +95,13 @@ class Scheduler:
     def add_request(self, request: EngineRequest) -> None:
         self.check_fits(request.num_prompt_tokens, request.max_tokens, request.params.n)
         request.status = RequestStatus.WAITING
+        self.requests[request.group_id] = request
         self._enqueue(request)
 
     def _enqueue(self, request: EngineRequest) -> None:
         sort_key = self.policy.sort_key
         index = bisect.bisect_right(self.waiting, sort_key(request), key=sort_key)
         self.waiting.insert(index, request)
-
-    def add_running(self, request: EngineRequest) -> None:
-        """A fork (n > 1 child) that already shares its parent's computed blocks."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,9 +137,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # a step that preempted admits nothing: the pool is tight
+            self._admit_waiting(out, budget)
+        out.block_copies = self.kv.pop_block_copies()
+        for index, (request, num_new) in enumerate(out.scheduled):
+            self._add_model_input(out, index, request, num_new)
+        return out
 
-        # Running requests first, in policy order (arrival order among equals: sort is stable).
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in policy order (arrival order among equals: sort is
+        stable); returns the budget left."""
         self.running.sort(key=self.policy.sort_key)
         index = 0
         while index < len(self.running) and budget > 0:
@@ -151,12 +164,13 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
                 index += 1
+        return budget
 
-        # Then admissions, unless this step preempted (the pool is tight).
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting requests in order while budget, sequence slots and blocks last."""
         slots_used = sum(_sequence_slots(r) for r in self.running)
         while (
-            not out.preempted
-            and self.waiting
+            self.waiting
             and budget > 0
             and slots_used + _sequence_slots(self.waiting[0]) <= self.max_num_seqs
         ):
@@ -179,8 +193,126 @@ class Scheduler:
             budget -= num_new
             slots_used += _sequence_slots(request)
 
-        out.block_copies = self.kv.pop_block_copies()
-        return out
+    def _add_model_input(
+        self, out: SchedulerOutput, index: int, request: EngineRequest, num_new: int
+    ) -> None:
+        """The request's share of the step, its prompt-logprob targets, and its sample rows
+        (a parent about to sample its first token forks its siblings here)."""
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_new]
+        seq = ScheduledSequence(tokens, start, self.kv.get_block_ids(request))
+        out.seqs.append(seq)
+        if request.skip_prefix_cache:
+            self._ask_prompt_logprobs(out, request, seq)
+        if start + num_new < request.num_tokens:
+            return  # a prefill chunk that does not reach the end: nothing to sample
+        samplers = [request]
+        if request.sample_index == 0 and request.num_output_tokens == 0:
+            for i in range(1, request.params.n):
+                child = request.make_child(i)
+                out.forks.append((request, child))
+                samplers.append(child)
+        for sampler in samplers:
+            bias = {}
+            if sampler.num_output_tokens < sampler.params.min_tokens:
+                bias = dict.fromkeys(sampler.min_tokens_banned, float("-inf"))
+            out.rows.append(
+                SampleRow(
+                    index,
+                    sampler.params,
+                    sampler.all_token_ids,
+                    sampler.num_prompt_tokens,
+                    sampler.seed,
+                    bias,
+                )
+            )
+            out.row_requests.append(sampler)
+
+    @staticmethod
+    def _ask_prompt_logprobs(
+        out: SchedulerOutput, request: EngineRequest, seq: ScheduledSequence
+    ) -> None:
+        """Names the prompt tokens this chunk predicts whose logprobs are still missing (a
+        chunk recomputed after a preemption asks for none twice)."""
+        prompt = request.prompt_token_ids
+        start = seq.num_computed_tokens
+        first = max(start, request.num_prompt_logprobs - 1)
+        stop = min(start + len(seq.token_ids), len(prompt) - 1)
+        if first < stop:
+            seq.prompt_logprob_targets = prompt[first + 1 : stop + 1]
+            seq.prompt_logprobs_offset = first - start
+            out.prompt_logprob_requests.append((request, stop - first))
+            wanted = request.params.prompt_logprobs
+            out.num_prompt_logprobs = max(out.num_prompt_logprobs or 0, wanted)
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advances the step's requests by what it computed: computed tokens, forks, prompt
+        logprobs, one sampled token per row; finishes those a stop token, max_tokens or
+        max_model_len ends (stop strings are the output processor's)."""
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+        for parent, child in out.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent, child)
+            parent.children.append(child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        outputs = []
+        first = 0
+        for request, count in out.prompt_logprob_requests:
+            request.num_prompt_logprobs += count
+            outputs.append(
+                EngineCoreOutput(
+                    request.group_id,
+                    0,
+                    prompt_logprobs=result.prompt_logprobs,
+                    prompt_logprobs_rows=(first, count),
+                )
+            )
+            first += count
+        for row, request in enumerate(out.row_requests):
+            outputs.append(self._append_token(request, row, result))
+        return outputs
+
+    def _append_token(
+        self, request: EngineRequest, row: int, result: ModelRunnerOutput
+    ) -> EngineCoreOutput:
+        if not result.finite[row]:
+            logger.error(
+                "request %s: NaN/inf logits; it finishes with an error", request.request_id
+            )
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+            return EngineCoreOutput(request.group_id, request.sample_index, status=request.status)
+        token = int(result.token_ids[row])
+        request.append_token_ids(token)
+        self.num_generated_tokens += 1
+        status = self._check_stop(request, token)
+        if status is not None:
+            self.finish(request, status)
+        return EngineCoreOutput(
+            request.group_id,
+            request.sample_index,
+            [token],
+            result.logprobs,
+            row,
+            status,
+            request.stop_reason,
+        )
+
+    def _check_stop(self, request: EngineRequest, token: int) -> RequestStatus | None:
+        num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= request.params.min_tokens and token in request.stop_token_ids:
+            # vLLM reports the id of a user stop token, and None for plain EOS.
+            if token in request.params.stop_token_ids:
+                request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def preempt_all(self) -> list[EngineRequest]:
         """Preempts every running request (e.g. after the device pool was lost)."""
@@ -191,7 +323,7 @@ class Scheduler:
         return out.preempted
 
     def finish(self, request: EngineRequest, status: RequestStatus) -> None:
-        """Removes a request wherever it is and frees its blocks, exactly once."""
+        """Removes a sequence wherever it is and frees its blocks, exactly once."""
         if request.status.finished:
             return
         if request in self.running:
@@ -201,3 +333,17 @@ class Scheduler:
         if self.kv.has_request(request.request_id):
             self.kv.free(request)
         request.status = status
+        group = request.group
+        if request_finished(group[0].params.n, [s.status for s in group]):
+            self.requests.pop(group[0].group_id, None)
+
+    def finish_group(self, group_id: str, status: RequestStatus) -> list[EngineRequest]:
+        """Finishes every sequence of a user request (abort, a failed step); returns them."""
+        root = self.requests.get(group_id)
+        if root is None:
+            return []
+        group = root.group
+        for request in group:
+            self.finish(request, status)
+        self.requests.pop(group_id, None)
+        return group

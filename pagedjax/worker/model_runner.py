@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -28,6 +27,7 @@ from models.config import ModelConfig
 from models.llama import Params, forward_logits
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
+from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSequence
 from pagedjax.sampler import (
     SamplerOutput,
     SamplingKernels,
@@ -48,8 +48,8 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     192, 256, ... 512, 640, 768, ... 1024, 1280, ..., ending at the budget itself.
 
     Padded rows cost as much as real ones in every matmul. A mixed step is its decode rows
-    plus whatever prefill fits, so its size is spread over the whole range: with steps of 64
-    W2's waiting-window steps pad 2% of their rows instead of 7% with power-of-two buckets."""
+    plus whatever prefill fits, so its size is spread over the whole range, and finer steps
+    than powers of two pad fewer rows (benchmarks/README.md has the numbers)."""
     buckets = [b for b in (1, 4, 16, 32, 64, 128) if b < max_num_batched_tokens]
     while buckets and buckets[-1] >= 128:
         last = buckets[-1]
@@ -98,38 +98,6 @@ def _forward_step(
     return forward_logits(
         params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn
     )
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step: compute `token_ids` after its computed context."""
-
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_ids: Sequence[int]
-    # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
-    prompt_logprob_targets: Sequence[int] = ()
-    prompt_logprobs_offset: int = 0
-
-
-@dataclass
-class SampleRow:
-    """A token to sample from the logits of `seq_index`'s last new token."""
-
-    seq_index: int
-    params: SamplingParams
-    token_ids: Sequence[int]  # the prompt, then the output so far (the sequence's own list)
-    num_prompt_tokens: int
-    seed: int
-    extra_bias: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class StepResult:
-    token_ids: np.ndarray  # [rows]
-    finite: np.ndarray  # [rows] bool: False when the row's logits were NaN/inf
-    logprobs: TokenLogprobs | None = None  # numpy, [rows]: the sampled tokens'
-    prompt_logprobs: TokenLogprobs | None = None  # numpy, the sequences' targets in order
 
 
 def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
@@ -276,7 +244,7 @@ class ModelRunner:
         rows: Sequence[SampleRow],
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
-    ) -> StepResult:
+    ) -> ModelRunnerOutput:
         """Runs one step: copy-on-write copies, the forward, a sample for each row, and the
         logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top ones)."""
         ends = np.cumsum([len(s.token_ids) for s in seqs])
@@ -308,7 +276,7 @@ class ModelRunner:
             )
         if not rows:
             empty = np.zeros(0, np.int32), np.zeros(0, bool)
-            return StepResult(*empty, None, _fetch(prompt, len(targets)))
+            return ModelRunnerOutput(*empty, None, _fetch(prompt, len(targets)))
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -331,7 +299,7 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
         )
         n = len(rows)
-        return StepResult(
+        return ModelRunnerOutput(
             np.asarray(out.token_ids)[:n],
             np.asarray(out.finite)[:n],
             _fetch(out.logprobs if num_logprobs is not None else None, n),

@@ -8,7 +8,6 @@ runs the steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import jax.numpy as jnp
 
@@ -19,14 +18,9 @@ from models.llama import Params
 from models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
+from pagedjax.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedjax.platforms import Platform
-from pagedjax.worker.model_runner import (
-    ModelRunner,
-    SampleRow,
-    ScheduledSequence,
-    StepResult,
-    activation_bytes,
-)
+from pagedjax.worker.model_runner import ModelRunner, activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +107,12 @@ class Worker:
             self.kv_spec,
         )
 
-    def execute_model(
-        self,
-        seqs: Sequence[ScheduledSequence],
-        rows: Sequence[SampleRow],
-        block_copies: Sequence[tuple[int, int]] = (),
-        num_prompt_logprobs: int | None = None,
-    ) -> StepResult:
-        return self.runner.execute(seqs, rows, block_copies, num_prompt_logprobs)
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
+
+    def kv_cache_lost(self) -> bool:
+        """Whether a failed step consumed the donated pool (every request's KV with it)."""
+        return self.runner.kv_cache_lost()
+
+    def reset_kv_cache(self) -> None:
+        self.runner.reset_kv_cache()

@@ -1,8 +1,7 @@
 // Greedy sampling for XLA:CPU, called through the XLA FFI (see sampling.py): per row of
 // logits, whether every raw logit is finite, and the argmax after a sparse logit bias, in one
 // pass over the row. XLA:CPU runs argmax as a variadic (value, index) reduction that it does
-// not vectorize, plus a second pass for the finite check: 10-15 ms for 64 rows of a 49k
-// vocabulary, against under 1 ms here.
+// not vectorize, plus a second pass for the finite check; here one vectorized pass does both.
 //
 // The bias is applied without writing the row: the argmax of the raw row, if that token has
 // no bias, competes with each biased token's raw + bias (ties: the lower index, as jnp.argmax).

@@ -2,11 +2,10 @@
 // matmul.py).
 //
 // XLA:CPU repacks the weight operand of every dot into its GEMM's layout, on every call, which
-// at decode's few rows costs as much as the arithmetic: the default model's matmul chain ran
-// at 85-95 GFLOP/s at 32 rows on 2 cores. The weights never change, so they are packed once,
-// as panels of 24 output columns: packed[p, k, c] = w[k, p * 24 + c], zero past N. A 4 x 24
-// register tile (12 accumulators; three panel loads and four broadcasts per k) keeps both FMA
-// pipes busy: 125-140 GFLOP/s at 32 rows, and at least XLA's speed from 1 to 512 rows.
+// at decode's few rows costs as much as the arithmetic. The weights never change, so they are
+// packed once, as panels of 24 output columns: packed[p, k, c] = w[k, p * 24 + c], zero past
+// N. A 4 x 24 register tile (12 accumulators; three panel loads and four broadcasts per k)
+// keeps both FMA pipes busy (benchmarks/README.md compares it with XLA from 1 to 512 rows).
 // Threads take ranges of panels, so at one row each streams its own part of the weights.
 // Each output is one float32 sum over k in order, with an FMA per term.
 //
@@ -54,7 +53,7 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out
     const float* b = panel + k * kPanel;
     __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
     // Pinned in registers: GCC would fold each into its four FMAs as a memory operand, and
-    // the 16 loads per k, not the FMAs, would bound the tile (1.3x slower at 32 rows).
+    // the 16 loads per k, not the FMAs, would bound the tile.
     __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -86,8 +85,8 @@ constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>
 // out [M, N] = x [M, K] @ the panels, where panel(p) gives panel p as float32 [K, 24] (called
 // once per panel, on the thread that multiplies it). Threads take ranges of panels: about four
 // items per thread, and at most 32 panels each, since the item a thread finishes last is the
-// other's idle time. Uncapped, the LM head's items (256 panels, about 9 ms) left one thread
-// idle for 5 ms of a 71 ms call in a W2 decode step.
+// other's idle time: uncapped, the LM head's large items left one thread idle for much of a
+// decode step's call.
 template <typename PanelFn>
 void MultiplyPanels(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                     float* out, const PanelFn& panel) {

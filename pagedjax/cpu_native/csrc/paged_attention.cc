@@ -2,13 +2,12 @@
 // row of a step, decode rows and prefill chunks, read from the paged pool in place.
 //
 // XLA:CPU cannot fuse a page gather into a dot: the XLA loops copy every page of a tile, then
-// run small batched matmuls over the copy (about 3 GB/s of K/V for decode, 15-20 GFLOP/s for
-// prefill). Here work items are shared among XLA's intra-op threads, prefill tiles first:
+// run small batched matmuls over the copy. Here work items are shared among XLA's intra-op
+// threads, prefill tiles first (benchmarks/README.md has the numbers):
 //
 // - A decode row (q_len 1), per KV head, takes two passes over its pages, both bound by memory
-//   bandwidth (random 16 KB pages at about 16 GB/s on a 2-core VM). The next page is
-//   prefetched a slice at a time, interleaved with the arithmetic on this one (with whole
-//   pages prefetched two ahead, reads and arithmetic did not overlap: 1.2-1.3x slower):
+//   bandwidth. The next page is prefetched a slice at a time, interleaved with the arithmetic
+//   on this one (whole pages prefetched two ahead did not overlap reads with arithmetic):
 //   1. scores of every key for the group's query heads, 8 keys per dot (one reduction for 8);
 //   2. after an exact max and a vectorized exp, probabilities times V, with the group's
 //      accumulators held in registers while a V row is read once for all of them.
@@ -117,7 +116,7 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
 }
 
 // The fixed-count loops below carry `#pragma GCC unroll`: unrolled early, the __m256 arrays
-// live in registers; otherwise GCC stores them to the stack every row (1.5x slower).
+// live in registers; otherwise GCC stores them to the stack every row.
 
 // x[i] *= scale for i < n; returns their max (-inf for n = 0).
 inline float ScaleMax(float* x, int64_t n, float scale) {

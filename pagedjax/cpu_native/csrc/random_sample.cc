@@ -1,8 +1,8 @@
 // Sampling for XLA:CPU, called through the XLA FFI (see sampling.py): per row, temperature,
 // then top-k, top-p and min-p as in `pagedjax.sampler.truncate`, then one draw by inverse CDF
-// from 53 random bits. XLA:CPU takes about 0.7 s for 256 rows of a 49k vocabulary (32 masked
-// bisection passes per truncation rule, a noise value per token from threefry, exp on one
-// thread); here each row is a few vectorizable passes.
+// from 53 random bits. XLA:CPU runs 32 masked bisection passes per truncation rule, draws a
+// noise value per token from threefry and runs exp on one thread; here each row is a few
+// vectorizable passes.
 //
 // Truncation keeps the tokens at or above one threshold logit, ties at it kept: top-k the k-th
 // largest; top-p, over the top-k distribution, the smallest logit whose tokens and all larger

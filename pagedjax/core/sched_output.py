@@ -1,0 +1,87 @@
+"""What one step hands from the scheduler to the model runner, and back to the output processor.
+
+`Scheduler.schedule()` returns a `SchedulerOutput`: the requests it scheduled and, for the model
+runner, each one's share of the step (`ScheduledSequence`) and the tokens to sample
+(`SampleRow`). The runner returns a `ModelRunnerOutput`; `Scheduler.update_from_output` turns
+it into one `EngineCoreOutput` per sequence that progressed or finished, which the output
+processor detokenizes into `RequestOutput`s. Plain data: no JAX on this side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedjax.core.engine_request import EngineRequest, RequestStatus
+    from pagedjax.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: compute `token_ids` after its computed context."""
+
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+    # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
+    prompt_logprob_targets: Sequence[int] = ()
+    prompt_logprobs_offset: int = 0
+
+
+@dataclass
+class SampleRow:
+    """A token to sample from the logits of `seq_index`'s last new token."""
+
+    seq_index: int
+    params: SamplingParams
+    token_ids: Sequence[int]  # the prompt, then the output so far (the sequence's own list)
+    num_prompt_tokens: int
+    seed: int
+    extra_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what runs, in batch order, and what the runner needs to run it."""
+
+    scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)  # (request, tokens)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW, before the step
+    preempted: list[EngineRequest] = field(default_factory=list)
+    seqs: list[ScheduledSequence] = field(default_factory=list)  # one per scheduled request
+    rows: list[SampleRow] = field(default_factory=list)
+    row_requests: list[EngineRequest] = field(default_factory=list)  # who samples each row
+    # n > 1: children that sample their first token from their parent's row this step and
+    # then share its blocks.
+    forks: list[tuple[EngineRequest, EngineRequest]] = field(default_factory=list)
+    # Requests whose prompt logprobs this step computes, with how many, in batch order.
+    prompt_logprob_requests: list[tuple[EngineRequest, int]] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None  # the most top logprobs any of them asks for
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step computed (numpy arrays, one entry per sample row or prompt target)."""
+
+    token_ids: Any  # [rows] int32
+    finite: Any  # [rows] bool: False when the row's logits held NaN or inf
+    logprobs: Any = None  # TokenLogprobs of the sampled tokens, when asked for
+    prompt_logprobs: Any = None  # TokenLogprobs of the prompt targets, in batch order
+
+
+@dataclass
+class EngineCoreOutput:
+    """One sequence's progress in a step: its new token (if any) and whether it finished."""
+
+    request_id: str  # the user's request (the group of its n sequences)
+    index: int  # which of the n sequences
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: Any = None  # TokenLogprobs holding this token's logprobs at `logprobs_row`
+    logprobs_row: int = 0
+    status: RequestStatus | None = None  # set when the sequence finished
+    stop_reason: int | None = None  # a user stop token that finished it
+    # The parent's prompt logprobs computed this step: rows [first, first + count) of the
+    # step's TokenLogprobs.
+    prompt_logprobs: Any = None
+    prompt_logprobs_rows: tuple[int, int] = (0, 0)

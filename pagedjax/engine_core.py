@@ -1,0 +1,119 @@
+"""The engine core: schedule, execute, update, one step at a time (as vLLM v1's EngineCore).
+
+It owns the scheduler (with the KV cache manager) and the worker (with the model and the KV
+pool), takes `EngineRequest`s, and returns per-sequence `EngineCoreOutput`s; text, stop
+strings and `RequestOutput`s are the output processor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from pagedjax.config import EngineConfig
+from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
+from pagedjax.core.sched_policy import POLICIES
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker: Worker):
+        self.config, self.worker = config, worker
+        self.kv_cache_manager = KVCacheManager(
+            worker.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            kv_spec=worker.kv_spec,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=POLICIES[config.scheduling_policy](),
+        )
+        self.num_steps = 0
+        # (end time, tokens sampled) of recent steps, for the tokens/s statistic.
+        self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, group_ids: list[str]) -> None:
+        """Frees everything the user requests hold; unknown or finished ids are ignored."""
+        for group_id in group_ids:
+            self.scheduler.finish_group(group_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_sequences(self, sequences: list[tuple[str, int]], status: RequestStatus) -> None:
+        """Finishes sequences (request id, index) the output processor ended (stop strings)."""
+        for group_id, index in sequences:
+            root = self.scheduler.requests.get(group_id)
+            if root is not None:
+                self.scheduler.finish(root.group[index], status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules and runs one step; returns what each sequence that progressed got."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        try:
+            result = self.worker.execute_model(out)
+        except Exception:
+            logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
+            return self._fail_step(out)
+        self.num_steps += 1
+        outputs = self.scheduler.update_from_output(out, result)
+        self._recent_steps.append((time.monotonic(), len(out.row_requests)))
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Finishes the step's requests with an error and frees their blocks; the engine goes on.
+
+        If the failure consumed the donated pool, every other running request lost its KV too:
+        it is preempted (recomputed later) and the prefix cache, whose blocks are gone, reset.
+        """
+        group_ids = dict.fromkeys(request.group_id for request, _ in out.scheduled)
+        error = RequestStatus.FINISHED_ERROR
+        groups = {g: self.scheduler.finish_group(g, error) for g in group_ids}
+        if self.worker.kv_cache_lost():
+            self.worker.reset_kv_cache()
+            self.scheduler.preempt_all()
+            self.kv_cache_manager.reset_prefix_cache()
+        for _, child in out.forks:  # siblings this step would have forked fail with the rest
+            child.status = error
+            groups[child.group_id].append(child)
+        return [
+            EngineCoreOutput(group_id, request.sample_index, status=error)
+            for group_id, group in groups.items()
+            for request in group
+        ]
+
+    def stats(self) -> dict:
+        ledger = self.kv_cache_manager.memory_ledger()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": ledger.usage,
+            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compilations": self.worker.runner.num_compilations,
+            "num_generated_tokens": self.scheduler.num_generated_tokens,
+            "generation_tokens_per_s": self._tokens_per_second(),
+        }
+
+    def _tokens_per_second(self) -> float:
+        if len(self._recent_steps) < 2:
+            return 0.0
+        (start, _), (end, _) = self._recent_steps[0], self._recent_steps[-1]
+        tokens = sum(n for _, n in list(self._recent_steps)[1:])
+        return tokens / max(end - start, 1e-9)

@@ -1,0 +1,219 @@
+"""The output processor: detokenizes what each step produced, finds stop strings, and builds the
+`RequestOutput`s of vLLM's API (as vLLM v1's OutputProcessor does).
+
+The engine core reports, per sequence, its new token and whether a stop token, max_tokens or
+max_model_len finished it; text-level stops live here, because only the detokenized text can
+match them: a stop string finishes the sequence, and the engine tells the core to free it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedjax.core.engine_request import RequestStatus
+from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.detokenizer import IncrementalDetokenizer
+from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+
+
+def logprob_entry(token: int, logprobs, row: int, k: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry for one position: the chosen token, then the k most likely."""
+    entry = {token: Logprob(float(logprobs.logprobs[row]), int(logprobs.ranks[row]))}
+    top_ids, top_logprobs = logprobs.top_token_ids[row][:k], logprobs.top_logprobs[row][:k]
+    for rank, (top_id, logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
+        entry.setdefault(int(top_id), Logprob(float(logprob), rank))
+    return entry
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n completions, as its outputs show it."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    status: RequestStatus | None = None
+    stop_reason: int | str | None = None
+    num_returned_tokens: int = 0  # output tokens already in a DELTA output
+    finish_time: float | None = None
+
+
+@dataclass
+class RequestState:
+    """One user request: its prompt and its n completions (the first is the parent)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    tokenizer: object
+    sequences: list[_Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token, filled in as the parent's prefill chunks run.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
+
+    def sequence(self, index: int) -> _Sequence:
+        """The index-th completion; the engine core forks children in index order."""
+        if index == len(self.sequences):
+            params = self.params
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                self.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            self.sequences.append(_Sequence(detokenizer))
+        return self.sequences[index]
+
+    @property
+    def finished(self) -> bool:
+        # Before its first token the parent has no siblings yet; it can only end then by an
+        # error or an abort, which ends the whole request.
+        first = self.sequences[0].status
+        complete = len(self.sequences) == self.params.n or first in (
+            RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_ABORTED,
+        )
+        return complete and all(s.status is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, arrival_time, self.tokenizer
+        )
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        state.sequence(0)
+        self.requests[request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """(the outputs to return, by each request's output_kind; the (request id, index) of
+        the running sequences a stop string finished, which the core must free)."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        stopped = []
+        for out in core_outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:  # aborted since
+                continue
+            touched[out.request_id] = state
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out)
+            if self._update_sequence(state, out, now):
+                stopped.append((out.request_id, out.index))
+        outputs = []
+        for state in touched.values():
+            finished = state.finished
+            if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(state, finished))
+            if finished:
+                del self.requests[state.request_id]
+        return outputs, stopped
+
+    @staticmethod
+    def _add_prompt_logprobs(state: RequestState, out: EngineCoreOutput) -> None:
+        entries, prompt = state.prompt_logprobs, state.prompt_token_ids
+        first, count = out.prompt_logprobs_rows
+        for row in range(first, first + count):
+            token = prompt[len(entries)]
+            entries.append(
+                logprob_entry(token, out.prompt_logprobs, row, state.params.prompt_logprobs)
+            )
+
+    @staticmethod
+    def _update_sequence(state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Applies a sequence's new token and finish; True when a stop string ended a sequence
+        the core still runs."""
+        seq, params = state.sequence(out.index), state.params
+        stop_string = None
+        for token in out.new_token_ids:
+            if state.first_token_time is None and out.index == 0:
+                state.first_token_time = now
+            if out.logprobs is not None and params.logprobs is not None:
+                seq.cumulative_logprob += float(out.logprobs.logprobs[out.logprobs_row])
+                seq.logprobs.append(
+                    logprob_entry(token, out.logprobs, out.logprobs_row, params.logprobs)
+                )
+            stop_string = seq.detokenizer.update([token])
+        status, stop_reason = out.status, out.stop_reason
+        by_stop_string = (
+            stop_string is not None
+            and status is not RequestStatus.FINISHED_STOPPED
+            and seq.detokenizer.num_output_tokens >= params.min_tokens
+        )
+        if by_stop_string:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+        if status is None:
+            return False
+        if status is not RequestStatus.FINISHED_STOPPED or stop_string is None:
+            seq.detokenizer.finalize()
+        seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, now
+        return by_stop_string and out.status is None
+
+    @staticmethod
+    def _make_output(state: RequestState, finished: bool) -> RequestOutput:
+        completions, deltas = [], []
+        params = state.params
+        want_logprobs = params.logprobs is not None
+        only_new = params.output_kind is RequestOutputKind.DELTA
+        for index, seq in enumerate(state.sequences):
+            detokenizer = seq.detokenizer
+            delta = detokenizer.get_delta()
+            token_ids = detokenizer.output_token_ids
+            first = 0  # DELTA: what is new since this sequence's previous output
+            if only_new:
+                first, seq.num_returned_tokens = seq.num_returned_tokens, len(token_ids)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=delta if only_new else detokenizer.output_text,
+                    token_ids=token_ids[first:],
+                    cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                    logprobs=seq.logprobs[first:] if want_logprobs else None,
+                    finish_reason=seq.status.value if seq.status is not None else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            deltas.append(delta)
+        finish_times = [s.finish_time for s in state.sequences if s.finish_time is not None]
+        prompt_logprobs = state.prompt_logprobs
+        if only_new and prompt_logprobs is not None:
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_token_time=state.first_token_time,
+                finished_time=max(finish_times) if finished and finish_times else None,
+            ),
+            deltas=deltas,
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -137,10 +137,14 @@ def _pack_one(w: jax.Array | QuantizedLinear) -> PackedWeight | QuantizedWeight:
 
 
 def _pack_stacked(weight: jax.Array | QuantizedLinear) -> PackedLayers:
+    # Sliced as numpy arrays: an eager jnp slice per layer would dispatch (and compile) each.
     if isinstance(weight, QuantizedLinear):
+        codes, scales, offsets = (
+            np.asarray(a) for a in (weight.codes, weight.scales, weight.offsets)
+        )
         layers = [
-            QuantizedLinear(weight.codes[i], weight.scales[i], weight.offsets[i], weight.bits)
-            for i in range(weight.codes.shape[0])
+            QuantizedLinear(codes[i], scales[i], offsets[i], weight.bits)
+            for i in range(codes.shape[0])
         ]
     else:
         layers = list(np.asarray(weight))

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
-from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.kv_cache import KV_LAYOUT, KVCache
 from kernels_pallas.metadata import AttentionMetadata
 
 
@@ -36,6 +36,8 @@ class AttentionBackend(Protocol):
     """One attention implementation, as the model and the model runner see it."""
 
     name: str
+    # The pool layout it reads: `kv_cache.KV_LAYOUT` ([L, Hkv, num_blocks, block_size, D]).
+    kv_layout: str
     # True when the cost follows each sequence's real context, whatever the block-table
     # width: the runner then gives it one width (max_model_len's) and buckets only tokens.
     # False: the runner buckets the width to the step's longest context (powers of two).
@@ -71,6 +73,7 @@ class FunctionBackend:
     fn: Callable[..., jax.Array]  # fn(q, cache, layer, metadata, *, scale, sliding_window, ...)
     cost_follows_context: bool
     check: Callable[[AttentionSpec], str | None] = _runs_anything  # supports(spec)
+    kv_layout: str = KV_LAYOUT
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 
 NULL_BLOCK = 0
+# The name of the layout above, which `allocate_kv_cache` builds and every backend declares.
+KV_LAYOUT = "layer-head-block"
 PAD_SLOT = -1
 
 

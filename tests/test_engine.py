@@ -439,9 +439,18 @@ def test_every_backend_gives_the_reference_tokens(tiny, backend):
     assert tokens_of(run(engine, prompts, params)) == expected
 
 
-def test_a_backend_that_cannot_run_the_model_says_why(tiny):
+def test_a_backend_that_cannot_run_the_model_says_why(tiny, monkeypatch):
     with pytest.raises(ValueError, match="cpu_native: it reads float32 pools only"):
         make_engine(tiny, attention_backend="cpu_native", kv_cache_dtype="bfloat16")
+    import dataclasses
+
+    from kernels_pallas import xla_attention
+
+    other_layout = dataclasses.replace(xla_attention.XLA, kv_layout="block-token-head")
+    monkeypatch.setattr(xla_attention, "XLA", other_layout)
+    with pytest.raises(ValueError, match="xla: it reads a block-token-head pool"):
+        make_engine(tiny, attention_backend="xla")
+    monkeypatch.undo()
     auto = make_engine(tiny, kv_cache_dtype="bfloat16")  # "auto" takes the next that can
     assert auto.engine_core.worker.attention.name == "xla"
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from kernels_pallas.kv_cache import KV_LAYOUT
 from pagedjax.attention import get_backend
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class Platform:
         for name in names:
             backend = get_backend(name)
             reason = backend.supports(spec)
+            if reason is None and backend.kv_layout != KV_LAYOUT:
+                reason = f"it reads a {backend.kv_layout} pool; the engine allocates {KV_LAYOUT}"
             if reason is None:
                 return backend
             reasons.append(f"{name}: {reason}")

@@ -119,9 +119,11 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted since
                 continue
-            touched[out.request_id] = state
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out)
+            if not out.new_token_ids and out.status is None:
+                continue  # a prefill chunk's prompt logprobs: output with the first token
+            touched[out.request_id] = state
             if self._update_sequence(state, out, now):
                 stopped.append((out.request_id, out.index))
         outputs = []

@@ -360,16 +360,21 @@ def test_prompt_logprobs_match_transformers(tiny):
         assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
-def test_prompt_logprobs_arrive_once_in_delta_outputs(tiny):
-    engine = make_engine(tiny)
+@pytest.mark.parametrize("budget", [64, 8])
+def test_prompt_logprobs_arrive_once_and_whole_in_delta_outputs(tiny, budget):
+    """With the prompt in one step or prefilled in chunks of 8: the first output carries every
+    prompt logprob, and no chunk before it makes an output of its own."""
+    engine = make_engine(tiny, max_num_batched_tokens=budget)
     params = SamplingParams(
         n=2, max_tokens=3, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA, **GREEDY
     )
-    engine.add_request("d", make_prompts(1, seed=14)[0], params)
+    prompt = make_prompts(1, seed=14, lo=30)[0]
+    engine.add_request("d", prompt, params)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.prompt_logprobs is not None for o in outputs] == [True, False, False]
+    assert len(outputs[0].prompt_logprobs) == len(prompt)
     assert all(len(entry) == 1 for entry in outputs[0].prompt_logprobs[1:])
 
 

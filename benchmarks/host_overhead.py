@@ -120,7 +120,7 @@ def host_only(args) -> None:
     def no_forward(params, token_ids, positions, kv_cache, metadata, rows, copies):
         return None, kv_cache
 
-    def random_tokens(logits, meta, **options):
+    def random_tokens(logits, meta, *args, **options):
         rows = meta.temperature.shape[0]
         tokens = rng.choice(words, rows).astype(np.int32)
         return types.SimpleNamespace(token_ids=tokens, finite=np.ones(rows, bool))

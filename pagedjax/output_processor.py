@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedjax.core.engine_request import RequestStatus
+from pagedjax.core.engine_request import RequestStatus, request_finished
 from pagedjax.core.sched_output import EngineCoreOutput
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -27,7 +27,7 @@ def logprob_entry(token: int, logprobs, row: int, k: int) -> dict[int, Logprob]:
     return entry
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     """One of a request's n completions, as its outputs show it."""
 
@@ -73,14 +73,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        # Before its first token the parent has no siblings yet; it can only end then by an
-        # error or an abort, which ends the whole request.
-        first = self.sequences[0].status
-        complete = len(self.sequences) == self.params.n or first in (
-            RequestStatus.FINISHED_ERROR,
-            RequestStatus.FINISHED_ABORTED,
-        )
-        return complete and all(s.status is not None for s in self.sequences)
+        return request_finished(self.params.n, [s.status for s in self.sequences])
 
 
 class OutputProcessor:
@@ -113,26 +106,33 @@ class OutputProcessor:
         """(the outputs to return, by each request's output_kind; the (request id, index) of
         the running sequences a stop string finished, which the core must free)."""
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        requests = self.requests
+        # The requests that progressed: True for those a sequence of which ended now (only
+        # those can have finished).
+        touched: dict[str, bool] = {}
         stopped = []
         for out in core_outputs:
-            state = self.requests.get(out.request_id)
+            state = requests.get(out.request_id)
             if state is None:  # aborted since
                 continue
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out)
             if not out.new_token_ids and out.status is None:
                 continue  # a prefill chunk's prompt logprobs: output with the first token
-            touched[out.request_id] = state
-            if self._update_sequence(state, out, now):
+            if self._update_sequence(state, out, now) is None:
+                touched.setdefault(out.request_id, False)
+                continue
+            touched[out.request_id] = True
+            if out.status is None:  # a stop string ended it: the core still runs it
                 stopped.append((out.request_id, out.index))
         outputs = []
-        for state in touched.values():
-            finished = state.finished
+        for request_id, ended in touched.items():
+            state = requests[request_id]
+            finished = ended and state.finished
             if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(state, finished))
             if finished:
-                del self.requests[state.request_id]
+                del requests[request_id]
         return outputs, stopped
 
     @staticmethod
@@ -146,9 +146,11 @@ class OutputProcessor:
             )
 
     @staticmethod
-    def _update_sequence(state: RequestState, out: EngineCoreOutput, now: float) -> bool:
-        """Applies a sequence's new token and finish; True when a stop string ended a sequence
-        the core still runs."""
+    def _update_sequence(
+        state: RequestState, out: EngineCoreOutput, now: float
+    ) -> RequestStatus | None:
+        """Applies a sequence's new token; returns its status if it ended (the core's, or a
+        stop string's)."""
         seq, params = state.sequence(out.index), state.params
         stop_string = None
         for token in out.new_token_ids:
@@ -169,11 +171,11 @@ class OutputProcessor:
         if by_stop_string:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
         if status is None:
-            return False
+            return None
         if status is not RequestStatus.FINISHED_STOPPED or stop_string is None:
             seq.detokenizer.finalize()
         seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, now
-        return by_stop_string and out.status is None
+        return status
 
     @staticmethod
     def _make_output(state: RequestState, finished: bool) -> RequestOutput:

@@ -70,7 +70,7 @@ class ModelRunnerOutput:
     prompt_logprobs: Any = None  # TokenLogprobs of the prompt targets, in batch order
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """One sequence's progress in a step: its new token (if any) and whether it finished."""
 

@@ -36,6 +36,9 @@ class IncrementalDetokenizer:
     as in vLLM: never more than max stop length - 1 characters, often none). `finalize()`
     releases it when the request finishes for another reason (length, EOS, stop token).
 
+    min_tokens: stop strings are looked for once the output has that many tokens (as in
+    vLLM); a match may still begin in held-back text from before.
+
     Several stop strings: the match that ends first in the text wins (what a character-by-
     character stream would find first, so the result does not depend on how the text is split
     into tokens); of matches ending at the same place, the longest.
@@ -57,6 +60,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] | str | None = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -70,6 +74,7 @@ class IncrementalDetokenizer:
         self._stop_chars = set("".join(self.stop))
         self._longest_stop = max(map(len, self.stop), default=0)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
 
         # Only the prompt's last few tokens matter as context: keep those, not the whole prompt.
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -117,7 +122,8 @@ class IncrementalDetokenizer:
         if self.finished:
             raise RuntimeError("update() after the request finished")
         self._ids.extend(new_token_ids)
-        return self._add_text(self._decode_new(flush=False))
+        may_stop = self.num_output_tokens >= self.min_tokens
+        return self._add_text(self._decode_new(flush=False), may_stop)
 
     def finalize(self) -> None:
         """Finishes the request for a reason other than a stop string: releases all text.
@@ -157,8 +163,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text
 
-    def _add_text(self, new_text: str) -> str | None:
-        """Checks the stop strings on the held text plus new_text, then releases what is safe."""
+    def _add_text(self, new_text: str, may_stop: bool) -> str | None:
+        """Checks the stop strings (if `may_stop`) on the held text plus new_text, then
+        releases what is safe."""
         if not self.stop:
             self._release(new_text)
             return None
@@ -166,7 +173,7 @@ class IncrementalDetokenizer:
         # before new_text is a suffix of the old text and a prefix of the stop string, which is
         # exactly what we hold. Matches ending earlier were found in earlier steps.
         text = self._held + new_text
-        match = self._first_match(text)
+        match = self._first_match(text) if may_stop else None
         if match is not None:
             stop_str, start = match
             end = start + len(stop_str) if self.include_stop_str_in_output else start

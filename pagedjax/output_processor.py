@@ -67,6 +67,7 @@ class RequestState:
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
             self.sequences.append(_Sequence(detokenizer))
         return self.sequences[index]
@@ -163,11 +164,7 @@ class OutputProcessor:
                 )
             stop_string = seq.detokenizer.update([token])
         status, stop_reason = out.status, out.stop_reason
-        by_stop_string = (
-            stop_string is not None
-            and status is not RequestStatus.FINISHED_STOPPED
-            and seq.detokenizer.num_output_tokens >= params.min_tokens
-        )
+        by_stop_string = stop_string is not None and status is not RequestStatus.FINISHED_STOPPED
         if by_stop_string:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
         if status is None:

@@ -198,6 +198,18 @@ def test_stop_string_split_across_tokens_excluded(tiny_tok):
         detok.update([5])
 
 
+def test_stop_strings_wait_for_min_tokens(tiny_tok):
+    """Before min_tokens no stop string ends the output (its text is released as usual, and
+    the next token still decodes); from then on one may match, even one begun earlier."""
+    ids = [tiny_tok.encode(piece)[0] for piece in ("a", "b", "a", "b", "c")]
+    detok = IncrementalDetokenizer(tiny_tok, [], stop=["ab"], min_tokens=3)
+    assert detok.update(ids[:1]) is None and detok.update(ids[1:2]) is None
+    assert detok.output_text == "ab" and not detok.finished  # 2 tokens < min_tokens
+    assert detok.update(ids[2:3]) is None  # "a" held: it may begin "ab"
+    assert detok.update(ids[3:4]) == "ab" and detok.output_text == "ab"
+    assert detok.finished
+
+
 def test_stop_string_included(tiny_tok):
     ids = tiny_tok.encode("abc STOP def")
     detok, deltas, matched = stream(

@@ -281,6 +281,19 @@ def test_eos_min_tokens_and_ignore_eos(tiny):
     assert out[0].outputs[0].token_ids == [eos] * 5
 
 
+def test_a_stop_string_before_min_tokens_does_not_stop(tiny):
+    """The tiny tokenizer's words all contain "w": the stop string appears at once, but the
+    output stops only at the min_tokens-th token, cut before its "w"."""
+    engine = make_engine(tiny)
+    params = SamplingParams(max_tokens=8, min_tokens=4, stop=["w"], **GREEDY)
+    (output,) = run(engine, make_prompts(1, seed=22), params)
+    completion = output.outputs[0]
+    assert len(completion.token_ids) == 4
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "w")
+    words = completion.text.split()
+    assert len(words) == 3 and completion.text.endswith(" ")
+
+
 def test_steady_workload_compiles_nothing_after_warmup(tiny):
     engine = make_engine(tiny, max_num_seqs=8)
     engine.engine_core.worker.runner.warmup()

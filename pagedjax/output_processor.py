@@ -49,28 +49,12 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    tokenizer: object
     sequences: list[_Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
     # prompt token, filled in as the parent's prefill chunks run.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
-
-    def sequence(self, index: int) -> _Sequence:
-        """The index-th completion; the engine core forks children in index order."""
-        if index == len(self.sequences):
-            params = self.params
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                self.prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                min_tokens=params.min_tokens,
-            )
-            self.sequences.append(_Sequence(detokenizer))
-        return self.sequences[index]
 
     @property
     def finished(self) -> bool:
@@ -90,13 +74,25 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
     ) -> None:
-        state = RequestState(
-            request_id, prompt, prompt_token_ids, params, arrival_time, self.tokenizer
-        )
+        state = RequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        state.sequence(0)
         self.requests[request_id] = state
+
+    def _sequence(self, state: RequestState, index: int) -> _Sequence:
+        """The index-th completion; the engine core forks children in index order."""
+        if index == len(state.sequences):
+            params = state.params
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                state.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
+            state.sequences.append(_Sequence(detokenizer))
+        return state.sequences[index]
 
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -146,13 +142,12 @@ class OutputProcessor:
                 logprob_entry(token, out.prompt_logprobs, row, state.params.prompt_logprobs)
             )
 
-    @staticmethod
     def _update_sequence(
-        state: RequestState, out: EngineCoreOutput, now: float
+        self, state: RequestState, out: EngineCoreOutput, now: float
     ) -> RequestStatus | None:
         """Applies a sequence's new token; returns its status if it ended (the core's, or a
         stop string's)."""
-        seq, params = state.sequence(out.index), state.params
+        seq, params = self._sequence(state, out.index), state.params
         stop_string = None
         for token in out.new_token_ids:
             if state.first_token_time is None and out.index == 0:
@@ -183,15 +178,16 @@ class OutputProcessor:
         for index, seq in enumerate(state.sequences):
             detokenizer = seq.detokenizer
             delta = detokenizer.get_delta()
-            token_ids = detokenizer.output_token_ids
+            token_ids = detokenizer.output_token_ids  # a fresh list
             first = 0  # DELTA: what is new since this sequence's previous output
             if only_new:
                 first, seq.num_returned_tokens = seq.num_returned_tokens, len(token_ids)
+                token_ids = token_ids[first:]
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=delta if only_new else detokenizer.output_text,
-                    token_ids=token_ids[first:],
+                    token_ids=token_ids,
                     cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
                     logprobs=seq.logprobs[first:] if want_logprobs else None,
                     finish_reason=seq.status.value if seq.status is not None else None,

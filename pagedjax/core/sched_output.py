@@ -57,7 +57,12 @@ class SchedulerOutput:
     forks: list[tuple[EngineRequest, EngineRequest]] = field(default_factory=list)
     # Requests whose prompt logprobs this step computes, with how many, in batch order.
     prompt_logprob_requests: list[tuple[EngineRequest, int]] = field(default_factory=list)
-    num_prompt_logprobs: int | None = None  # the most top logprobs any of them asks for
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The most top logprobs any prompt-logprobs request of the step asks for."""
+        asked = (request.params.prompt_logprobs for request, _ in self.prompt_logprob_requests)
+        return max(asked, default=None)
 
 
 @dataclass

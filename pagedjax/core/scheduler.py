@@ -242,8 +242,6 @@ class Scheduler:
             seq.prompt_logprob_targets = prompt[first + 1 : stop + 1]
             seq.prompt_logprobs_offset = first - start
             out.prompt_logprob_requests.append((request, stop - first))
-            wanted = request.params.prompt_logprobs
-            out.num_prompt_logprobs = max(out.num_prompt_logprobs or 0, wanted)
 
     # ------------------------------------------------------------------ update
 

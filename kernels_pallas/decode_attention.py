@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import pallas_common
-from kernels_pallas.metadata import next_power_of_2
+from kernels_pallas.metadata import next_power_of_2, pad_block_tables
 
 # SMs per device kind, for when the device object does not report core_count.
 _SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "GH200": 132, "A100": 108, "L40S": 142}
@@ -180,7 +180,7 @@ def decode_attention_kernel(
         *pallas_common.int32_scalars(layer, window),
         scales,
         seq_lens.astype(jnp.int32),
-        pallas_common.pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
+        pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
     )
     kernel = functools.partial(
         _decode_kernel,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT
@@ -31,6 +32,16 @@ class AttentionMetadata:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): the bucket of a padded dimension."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pad_block_tables(block_tables: jax.Array, tile_pages: int) -> jax.Array:
+    """[S, B] -> [S, B'] with B' a multiple of `tile_pages`, padded with NULL_BLOCK, so a
+    kernel's last tile of pages never reads past the table (a GPU load would fault)."""
+    width = block_tables.shape[1]
+    padded = -(-width // tile_pages) * tile_pages
+    if padded == width:
+        return block_tables
+    return jnp.pad(block_tables, ((0, 0), (0, padded - width)), constant_values=NULL_BLOCK)
 
 
 def build_metadata(

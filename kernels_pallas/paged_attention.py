@@ -36,7 +36,7 @@ from kernels_pallas.decode_attention import (
     device_sm_count,
 )
 from kernels_pallas.kv_cache import KVCache
-from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from kernels_pallas.pallas_common import matmul_dtype
 from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
 
@@ -164,18 +164,14 @@ def _decode(q, cache, layer, metadata, window, k_scale, v_scale, **static):
     return jnp.zeros_like(q).at[target].set(out, mode="drop")
 
 
-def _is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _supports(spec: AttentionSpec) -> str | None:
     """None if the kernels run `spec`, else why not."""
     if spec.num_q_heads % spec.num_kv_heads:
         return f"{spec.num_q_heads} query heads are not a multiple of {spec.num_kv_heads}"
-    if not _is_power_of_2(spec.block_size):
+    if spec.block_size != next_power_of_2(spec.block_size):
         return f"block_size {spec.block_size} is not a power of two"
     # Triton tensors have power-of-two sizes, and its dots at least 16 rows and columns.
-    if not _is_power_of_2(spec.head_dim) or not 16 <= spec.head_dim <= 256:
+    if spec.head_dim != next_power_of_2(spec.head_dim) or not 16 <= spec.head_dim <= 256:
         return f"head_dim {spec.head_dim} is not a power of two from 16 to 256"
     try:
         matmul_dtype(jnp.dtype(spec.kv_dtype))

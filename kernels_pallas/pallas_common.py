@@ -19,7 +19,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.kv_cache import NULL_BLOCK
 from kernels_pallas.metadata import next_power_of_2
 from kernels_pallas.reference import MASK_VALUE
 
@@ -45,19 +44,9 @@ def matmul_dtype(kv_dtype: jnp.dtype) -> jnp.dtype:
 
 def kv_tile_tokens(requested: int, block_size: int) -> int:
     """Tokens per KV tile: whole pages, a power of two, >= 16 (Triton's minimum dot size)."""
-    if block_size & (block_size - 1):
+    if block_size != next_power_of_2(block_size):
         raise ValueError(f"block_size must be a power of two for the Pallas kernels: {block_size}")
     return max(next_power_of_2(requested), block_size, 16)
-
-
-def pad_block_tables(block_tables: jax.Array, tile_pages: int) -> jax.Array:
-    """[S, B] -> [S, B'] with B' a multiple of `tile_pages`, padded with NULL_BLOCK, so a
-    kernel's last tile never reads past the table (a GPU load would fault; interpret clamps)."""
-    width = block_tables.shape[1]
-    padded = -(-width // tile_pages) * tile_pages
-    if padded == width:
-        return block_tables
-    return jnp.pad(block_tables, ((0, 0), (0, padded - width)), constant_values=NULL_BLOCK)
 
 
 def layer_scales(
@@ -319,6 +308,5 @@ __all__ = [
     "load_kv_tile",
     "matmul_dtype",
     "online_softmax_step",
-    "pad_block_tables",
     "tile_pages",
 ]

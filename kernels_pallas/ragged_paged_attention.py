@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import pallas_common
-from kernels_pallas.metadata import next_power_of_2
+from kernels_pallas.metadata import next_power_of_2, pad_block_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +239,7 @@ def ragged_paged_attention_kernel(
         work_qblock,
         query_start_loc.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
-        pallas_common.pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
+        pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
     )
     kernel = functools.partial(
         _ragged_kernel,

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.backend import FunctionBackend
-from kernels_pallas.kv_cache import NULL_BLOCK, KVCache
-from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.kv_cache import KVCache
+from kernels_pallas.metadata import AttentionMetadata, pad_block_tables
 from kernels_pallas.reference import MASK_VALUE
 
 
@@ -220,9 +220,7 @@ def ragged_paged_attention_xla(
     num_kv_heads, block_size = cache.k.shape[1], cache.k.shape[3]
     width = metadata.block_tables.shape[1]
     chunk_blocks = max(1, min(key_chunk // block_size, width))
-    tables = jnp.pad(
-        metadata.block_tables, ((0, 0), (0, -width % chunk_blocks)), constant_values=NULL_BLOCK
-    )
+    tables = pad_block_tables(metadata.block_tables, chunk_blocks)
     qsl = metadata.query_start_loc
     step = _Step(
         qg=q.reshape(num_tokens, num_kv_heads, -1, head_dim).astype(jnp.float32),

@@ -23,12 +23,16 @@ from pagedjax.sampler import XLA_SAMPLING
 class CpuPlatform(Platform):
     native: bool = False  # the C++ kernels are built and registered
 
-    def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
-        # Without the kernel XLA would widen every quantized weight on every step.
+    def _packs(self, dtype: jax.typing.DTypeLike) -> bool:
+        """Whether weights are packed for the C++ matmul, which multiplies float32."""
         return self.native and jnp.dtype(dtype) == jnp.float32
 
+    def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
+        # Without the kernel XLA would widen every quantized weight on every step.
+        return self._packs(dtype)
+
     def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
-        if not (self.native and jnp.dtype(dtype) == jnp.float32):
+        if not self._packs(dtype):
             return params
         from pagedjax.cpu_native.matmul import pack_params
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 
@@ -23,7 +23,7 @@ class GpuPlatform(Platform):
     name: str = "gpu"
     default_block_size: int = 16
     auto_attention: tuple[str, ...] = ("pallas", "xla")
-    sampling: SamplingKernels = field(default=XLA_SAMPLING)
+    sampling: SamplingKernels = XLA_SAMPLING
 
     def kv_budget_bytes(self, config: EngineConfig, activation_peak: Callable[[], int]) -> int:
         """gpu_memory_utilization of the device's memory, less what is in use (the weights)

@@ -118,7 +118,7 @@ class ModelRunner:
         attention: AttentionBackend,
         sampling: SamplingKernels,
     ):
-        self.config, self.params = model_config, params
+        self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
         self.kv_spec = kv_spec
         self.block_size = block_size = config.block_size
@@ -152,7 +152,7 @@ class ModelRunner:
             metadata,
             rows,
             copies,
-            config=self.config,
+            config=self.model_config,
             attention_fn=self.attention,
         )
         self.num_compilations += _forward_step._cache_size() - cached

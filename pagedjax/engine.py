@@ -16,6 +16,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.llama import Params
+from models.loader import load_tokenizer
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.engine_core import EngineCore
@@ -35,8 +36,6 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer=None,
     ):
-        from models.loader import load_tokenizer
-
         platform = current_platform()
         if config.block_size is None:
             config = replace(config, block_size=platform.default_block_size)

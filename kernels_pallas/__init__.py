@@ -3,7 +3,8 @@
 - `kv_cache.py`: the pool's layout (K and V each [L, Hkv, num_blocks, block_size, D]), the
   write of a step's new K/V into it, block copies.
 - `metadata.py`: `AttentionMetadata`, the step's flat ragged batch of new tokens mapped onto
-  the pool's pages; `next_power_of_2`, the bucket of a padded dimension.
+  the pool's pages; `next_power_of_2`, the bucket of a padded dimension; `pad_block_tables`,
+  a table widened to whole tiles of pages.
 - `backend.py`: the contract, `AttentionBackend` and `AttentionSpec`.
 - `reference.py`: the pure-jnp oracle every implementation must match; `MASK_VALUE`.
 - `xla_attention.py`: the same attention as XLA loops, for hosts without the Pallas kernels.

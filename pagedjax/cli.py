@@ -1,4 +1,5 @@
-"""Command line: `pagedjax generate PROMPT...` and `pagedjax chat`."""
+"""Command line: `pagedjax generate PROMPT...`, `pagedjax chat`, `pagedjax serve` and
+`pagedjax bench`."""
 
 from __future__ import annotations
 
@@ -115,6 +116,63 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server's flags, and the engine options it passes on (unset ones keep
+    EngineConfig's defaults)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients use (default: the path's)"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 once this many requests wait (default: no limit)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    engine = parser.add_argument_group("engine options (pagedjax.EngineConfig)")
+    for flag, kind in (
+        ("--max-model-len", int),
+        ("--max-num-seqs", int),
+        ("--max-num-batched-tokens", int),
+        ("--num-kv-blocks", int),
+        ("--block-size", int),
+        ("--kv-cache-memory-bytes", int),
+        ("--gpu-memory-utilization", float),
+        ("--long-prefill-token-threshold", int),
+        ("--dtype", str),
+        ("--kv-cache-dtype", str),
+        ("--attention-backend", str),
+        ("--scheduling-policy", str),
+        ("--seed", int),
+    ):
+        engine.add_argument(flag, type=kind, default=None)
+    engine.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    from pagedjax.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description="Paged-KV LLM inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="interactive chat, streaming the replies")
     _add_engine_args(chat)
     chat.set_defaults(run=_chat)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_serve_args(serve)
+    serve.set_defaults(run=_serve)
     bench = commands.add_parser(
         "bench", help="run a script of benchmarks/ (a source checkout), e.g. bench throughput"
     )

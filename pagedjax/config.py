@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pagedjax.attention import BACKENDS
 from pagedjax.core.sched_policy import POLICIES
@@ -39,6 +39,15 @@ class EngineConfig:
     # After start-up, move the objects alive then out of the collector's generations (as vLLM
     # does), so full collections stop rescanning the model's and tokenizer's objects.
     freeze_gc: bool = True
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> EngineConfig:
+        """The config of `LLM(model, **options)`: a TypeError names unknown options."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(model=model, **options)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

@@ -75,11 +75,27 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validates everything first; raises ValueError (and changes nothing) on bad input."""
-        params = params or SamplingParams()
         if request_id in self.output_processor.requests:
             raise DuplicateRequestIdError(
                 f"request id {request_id!r} is already in use; pick a new one"
             )
+        request, prompt_text = self.process_request(
+            request_id, prompt, params, priority, arrival_time
+        )
+        self.add_processed_request(request, prompt_text)
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[EngineRequest, str | None]:
+        """Tokenizes and validates a request without touching the engine's state, so a caller
+        on another thread (AsyncLLM's) can do it while steps run; raises ValueError on bad
+        input. Returns the request and its prompt text (None for token ids)."""
+        params = params or SamplingParams()
         prompt_text, prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # left truncation
@@ -102,8 +118,16 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             min_tokens_banned=stop_ids | self.eos_token_ids,
         )
+        return request, prompt_text
+
+    def add_processed_request(self, request: EngineRequest, prompt_text: str | None) -> None:
+        """Queues a request from `process_request`; its id must not be in use."""
         self.output_processor.add_request(
-            request_id, prompt_text, prompt_ids, params, request.arrival_time
+            request.request_id,
+            prompt_text,
+            request.prompt_token_ids,
+            request.params,
+            request.arrival_time,
         )
         self.engine_core.add_request(request)
 
@@ -127,12 +151,13 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         return text, ids
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Frees everything the requests hold; unknown or finished ids are ignored."""
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Frees everything the requests hold; unknown or finished ids are ignored. Returns
+        the final output (finish reason "abort") of each request that was running."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.engine_core.abort_requests(ids)
-        for request_id in ids:
-            self.output_processor.abort_request(request_id)
+        outputs = (self.output_processor.abort_request(request_id) for request_id in ids)
+        return [output for output in outputs if output is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

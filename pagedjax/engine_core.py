@@ -104,10 +104,13 @@ class EngineCore:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_usage": ledger.usage,
+            "kv_blocks_used": ledger.used_blocks,
+            "kv_blocks_total": ledger.total_blocks,
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.worker.runner.num_compilations,
             "num_generated_tokens": self.scheduler.num_generated_tokens,
+            "num_prompt_tokens": self.scheduler.num_prompt_tokens,
             "generation_tokens_per_s": self._tokens_per_second(),
         }
 

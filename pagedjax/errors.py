@@ -13,3 +13,13 @@ class DuplicateRequestIdError(InvalidRequestError):
 
 class RequestTooLongError(InvalidRequestError):
     """The request can never be scheduled: it exceeds max_model_len or the whole KV pool."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its limit (`max_waiting_requests`): retry later. A
+    server answers 503."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped and serves nothing more; the message holds its cause. Restart
+    the engine (a server's /health reports it)."""

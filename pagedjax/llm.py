@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
@@ -24,11 +24,7 @@ class LLM:
     """`LLM(model=None, **engine_options)`: None means the default SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **engine_options):
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(engine_options) - known
-        if unknown:
-            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.llm_engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
         self._counter = 0
 
     def get_tokenizer(self):

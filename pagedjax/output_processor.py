@@ -55,6 +55,7 @@ class RequestState:
     # prompt token, filled in as the parent's prefill chunks run.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
 
     @property
     def finished(self) -> bool:
@@ -94,8 +95,17 @@ class OutputProcessor:
             state.sequences.append(_Sequence(detokenizer))
         return state.sequences[index]
 
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forgets the request; returns its final output (None if it was not running)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        now = time.monotonic()
+        for seq in state.sequences:
+            if seq.status is None:
+                seq.detokenizer.finalize()
+                seq.status, seq.finish_time = RequestStatus.FINISHED_ABORTED, now
+        return self._make_output(state, finished=True)
 
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
@@ -114,6 +124,8 @@ class OutputProcessor:
                 continue
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out)
+            if out.num_cached_tokens is not None and out.index == 0:
+                state.num_cached_tokens = out.num_cached_tokens
             if not out.new_token_ids and out.status is None:
                 continue  # a prefill chunk's prompt logprobs: output with the first token
             if self._update_sequence(state, out, now) is None:
@@ -213,4 +225,5 @@ class OutputProcessor:
             ),
             deltas=deltas,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
         )

@@ -45,3 +45,4 @@ class RequestOutput:
     deltas: list[str] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: None for the first prompt token, then an entry per token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache

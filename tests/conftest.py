@@ -110,3 +110,20 @@ def tiny_model_dir(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir):
+    """name -> (path, hf_model, model_config, params), loaded once."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            path, hf_model = tiny_model_dir(name)
+            from models.loader import load_model  # after JAX_PLATFORMS is set above
+
+            config, params = load_model(path)
+            loaded[name] = (path, hf_model, config, params)
+        return loaded[name]
+
+    return get

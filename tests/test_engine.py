@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
@@ -18,21 +17,6 @@ from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import build_tiny_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    """name -> (path, hf_model, model_config, params), loaded once."""
-    loaded = {}
-
-    def get(name):
-        if name not in loaded:
-            path, hf_model = tiny_model_dir(name)
-            config, params = load_model(path)
-            loaded[name] = (path, hf_model, config, params)
-        return loaded[name]
-
-    return get
 
 
 def make_engine(tiny, name="llama", **options) -> LLMEngine:

@@ -71,6 +71,9 @@ class EngineRequest(Request):
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        # Prompt tokens the prefix cache served at the first admission (vLLM's
+        # num_cached_tokens); None until admitted.
+        self.num_cached_tokens: int | None = None
         # Prompt positions whose logprobs are computed (the first token has none to compute);
         # the parent computes them for the whole request.
         asked = params.prompt_logprobs is not None and parent is None

@@ -90,3 +90,4 @@ class EngineCoreOutput:
     # step's TokenLogprobs.
     prompt_logprobs: Any = None
     prompt_logprobs_rows: tuple[int, int] = (0, 0)
+    num_cached_tokens: int | None = None  # the user request's prompt tokens the cache served

@@ -69,6 +69,7 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}  # unfinished user requests' parents
         self.num_preemptions = 0
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # of the requests added
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
@@ -95,6 +96,7 @@ class Scheduler:
     def add_request(self, request: EngineRequest) -> None:
         self.check_fits(request.num_prompt_tokens, request.max_tokens, request.params.n)
         request.status = RequestStatus.WAITING
+        self.num_prompt_tokens += request.num_prompt_tokens
         self.requests[request.group_id] = request
         self._enqueue(request)
 
@@ -187,6 +189,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
@@ -299,6 +303,7 @@ class Scheduler:
             row,
             status,
             request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _check_stop(self, request: EngineRequest, token: int) -> RequestStatus | None:

@@ -1,0 +1,1 @@
+"""Entry points that serve the engine to other programs (the OpenAI-compatible HTTP server)."""

@@ -36,6 +36,9 @@ class EngineConfig:
     # Queue order and preemption victims: "priority" (lower value first, then arrival) or
     # "fcfs" (arrival only), as in vLLM; policies live in pagedjax/core/sched_policy.py.
     scheduling_policy: str = "priority"
+    # Schedule and prepare step N+1 while step N runs on the device (as vLLM v1's async
+    # scheduling); its tokens from step N are read on the device. Greedy output is unchanged.
+    async_scheduling: bool = True
     # After start-up, move the objects alive then out of the collector's generations (as vLLM
     # does), so full collections stop rescanning the model's and tokenizer's objects.
     freeze_gc: bool = True

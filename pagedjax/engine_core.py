@@ -17,6 +17,7 @@ from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.worker.model_runner import StepHandle
 from pagedjax.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class EngineCore:
             policy=POLICIES[config.scheduling_policy](),
         )
         self.num_steps = 0
+        # Async scheduling: the step on the device while the next one is scheduled.
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # (end time, tokens sampled) of recent steps, for the tokens/s statistic.
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
 
@@ -59,15 +62,40 @@ class EngineCore:
                 self.scheduler.finish(root.group[index], status)
 
     def has_unfinished_requests(self) -> bool:
+        # An in-flight step holding only finished sequences is completed (and its rows
+        # dropped) by whichever step comes next.
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules and runs one step; returns what each sequence that progressed got."""
+        """Schedules and dispatches a step; returns what each sequence that progressed got.
+
+        With async scheduling the step's results are those of the step dispatched by the
+        previous call: this step was scheduled and its inputs prepared while that one ran on
+        the device, and its sequences' tokens from that one are read on the device.
+        """
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        in_flight, self._in_flight = self._in_flight, None
+        outputs = []
+        handle = None
+        if out.scheduled:
+            try:
+                handle = self.worker.execute_model(out, in_flight[1] if in_flight else None)
+            except Exception:
+                logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
+                outputs += self._fail_step(out)
+        if in_flight is not None:
+            outputs += self._complete(*in_flight)
+        if handle is not None:
+            if self.config.async_scheduling:
+                self._in_flight = (out, handle)
+            else:
+                outputs += self._complete(out, handle)
+        return outputs
+
+    def _complete(self, out: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
+        """Waits for a dispatched step and updates its requests from what it produced."""
         try:
-            result = self.worker.execute_model(out)
+            result = handle.result()
         except Exception:
             logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
             return self._fail_step(out)
@@ -89,9 +117,6 @@ class EngineCore:
             self.worker.reset_kv_cache()
             self.scheduler.preempt_all()
             self.kv_cache_manager.reset_prefix_cache()
-        for _, child in out.forks:  # siblings this step would have forked fail with the rest
-            child.status = error
-            groups[child.group_id].append(child)
         return [
             EngineCoreOutput(group_id, request.sample_index, status=error)
             for group_id, group in groups.items()

@@ -274,6 +274,7 @@ def build_sampling_metadata(
     num_rows: int | None = None,
     extra_bias: list[dict[int, float]] | None = None,
     history_width: int = 1,
+    num_tokens: Sequence[int] | None = None,
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
@@ -283,7 +284,8 @@ def build_sampling_metadata(
     (sent only when some row has a penalty) to at least `history_width`: an engine passes its
     max_model_len, so a growing output never changes a shape (no recompile mid-generation).
     `extra_bias` adds per-row biases (the engine masks stop tokens below min_tokens with -inf
-    this way).
+    this way). `num_tokens[i]`: how many of `token_ids[i]` come before the sampled token
+    (default: all; a list may already hold placeholders for this and later samples).
     """
     num_rows = num_rows or len(params)
     real = len(params)
@@ -307,7 +309,9 @@ def build_sampling_metadata(
         r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         for p, r in zip(params, uses_repetition, strict=True)
     ]
-    histories = list(zip(token_ids, num_prompt_tokens, strict=True))
+    if num_tokens is None:
+        num_tokens = [len(t) for t in token_ids]
+    histories = list(zip(token_ids, num_prompt_tokens, num_tokens, strict=True))
     extra_bias = extra_bias or [{}] * real
     biases = [
         {**(p.logit_bias or {}), **extra} for p, extra in zip(params, extra_bias, strict=True)
@@ -321,13 +325,16 @@ def build_sampling_metadata(
         frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
         repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
         seeds=column([s % 2**32 for s in seeds], np.uint32, 0),
-        steps=column([len(t) - n for t, n in histories], np.int32, 0),
+        steps=column([length - n for _, n, length in histories], np.int32, 0),
         prompt_token_ids=padded(
-            [t[:n] if r else [] for (t, n), r in zip(histories, uses_repetition, strict=True)],
+            [t[:n] if r else [] for (t, n, _), r in zip(histories, uses_repetition, strict=True)],
             min_width=history_width if any(uses_repetition) else 1,
         ),
         output_token_ids=padded(
-            [t[n:] if u else [] for (t, n), u in zip(histories, uses_output, strict=True)],
+            [
+                t[n:length] if u else []
+                for (t, n, length), u in zip(histories, uses_output, strict=True)
+            ],
             min_width=history_width if any(uses_output) else 1,
         ),
         bias_token_ids=padded([list(b) for b in biases]),

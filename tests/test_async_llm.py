@@ -171,11 +171,11 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(async_llm, monkey
     real = worker.execute_model
     calls = {"n": 0}
 
-    def flaky(out):
+    def flaky(out, previous=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fault")
-        return real(out)
+        return real(out, previous)
 
     monkeypatch.setattr(worker, "execute_model", flaky)
     params = SamplingParams(max_tokens=5, **GREEDY)

@@ -35,9 +35,9 @@ def test_a_failing_step_fails_only_its_requests(tiny_loaded, donated_pool_lost):
     params = SamplingParams(max_tokens=6, **GREEDY)
     expected = tokens_of(run(make_engine(tiny_loaded), prompts, params))
 
-    real_execute = engine.engine_core.worker.runner.execute
+    real_dispatch = engine.engine_core.worker.runner.dispatch
 
-    def failing_execute(*args, **kwargs):
+    def failing_dispatch(*args, **kwargs):
         if donated_pool_lost:
             for leaf in (
                 engine.engine_core.worker.runner.kv_cache.k,
@@ -48,9 +48,9 @@ def test_a_failing_step_fails_only_its_requests(tiny_loaded, donated_pool_lost):
 
     engine.add_request("a", prompts[0], params)
     engine.step()
-    engine.engine_core.worker.runner.execute = failing_execute
+    engine.engine_core.worker.runner.dispatch = failing_dispatch
     outputs = engine.step()
-    engine.engine_core.worker.runner.execute = real_execute
+    engine.engine_core.worker.runner.dispatch = real_dispatch
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "error")]
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
 
@@ -87,15 +87,15 @@ def test_parallel_sampling_group_fails_as_a_whole(tiny_loaded):
     engine.add_request("g", make_prompts(1, seed=22, lo=20, hi=21)[0], SamplingParams(n=3))
     engine.step()  # a first prefill chunk: no siblings yet
 
-    def failing_execute(*args, **kwargs):
+    def failing_dispatch(*args, **kwargs):
         raise RuntimeError("injected")
 
-    real_execute, engine.engine_core.worker.runner.execute = (
-        engine.engine_core.worker.runner.execute,
-        failing_execute,
+    real_dispatch, engine.engine_core.worker.runner.dispatch = (
+        engine.engine_core.worker.runner.dispatch,
+        failing_dispatch,
     )
     outputs = engine.step()
-    engine.engine_core.worker.runner.execute = real_execute
+    engine.engine_core.worker.runner.dispatch = real_dispatch
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
     assert not engine.has_unfinished_requests()
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_output import ModelRunnerOutput
 from pagedjax.core.sched_policy import POLICIES, FCFSPolicy, PriorityPolicy
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.errors import RequestTooLongError
@@ -37,11 +39,10 @@ def request(rid, prompt_len, priority=0, arrival=0.0, max_tokens=8, first_token=
 
 
 def execute(scheduler: Scheduler, out, sampled_token=7) -> None:
-    """What the engine does after running the step: advance, append a sampled token."""
-    for req, num_new in out.scheduled:
-        req.num_computed_tokens += num_new
-        if req.num_computed_tokens == req.num_tokens:
-            req.append_token_ids(sampled_token)
+    """What the engine does after running the step: every row samples `sampled_token`."""
+    rows = len(out.rows)
+    result = ModelRunnerOutput(np.full(rows, sampled_token, np.int32), np.ones(rows, bool))
+    scheduler.update_from_output(out, result)
 
 
 def test_budget_splits_a_long_prompt_across_steps_with_decodes_first():

@@ -321,10 +321,17 @@ class KVCacheManager:
         """Offer the request's first `num_full` blocks, whose content is fully scheduled
         (final once this step runs), to the prefix cache; each block is offered once."""
         num_cached = state.num_cached_blocks
+        token_ids = request.all_token_ids
+        if token_ids[num_full * self.block_size - 1] < 0:
+            # A placeholder (a token still being sampled, async scheduling) ends the last
+            # block: it is offered once the token is known, at the next allocation.
+            num_full -= 1
+            if num_full <= num_cached:
+                return
         if self.enable_caching:
             block_hashes = state.block_hashes
             extend_block_hashes(
-                block_hashes, request.all_token_ids, self.block_size, state.extra_keys, num_full
+                block_hashes, token_ids, self.block_size, state.extra_keys, num_full
             )
             self.block_pool.cache_full_blocks(state.blocks, block_hashes, num_cached, num_full)
         state.num_cached_blocks = num_full

@@ -18,6 +18,22 @@ if TYPE_CHECKING:
     from pagedjax.sampling_params import SamplingParams
 
 
+def placeholder_token(row: int) -> int:
+    """The token id standing for the token that sample row `row` of a step will produce: the
+    scheduler appends it when it schedules the sample, and puts the real token in its place
+    when the step's result comes back. A later step that computes it before then (async
+    scheduling) reads the token from the device."""
+    return -1 - row
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
+
+
+def placeholder_row(token: int) -> int:
+    return -1 - token
+
+
 @dataclass
 class ScheduledSequence:
     """One sequence's share of a step: compute `token_ids` after its computed context."""
@@ -40,6 +56,9 @@ class SampleRow:
     num_prompt_tokens: int
     seed: int
     extra_bias: dict[int, float] = field(default_factory=dict)
+    # Tokens before the one sampled: the list grows by the sample's placeholder (and, with
+    # async scheduling, later ones) before the runner reads it.
+    num_tokens: int = -1
 
 
 @dataclass
@@ -52,6 +71,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSequence] = field(default_factory=list)  # one per scheduled request
     rows: list[SampleRow] = field(default_factory=list)
     row_requests: list[EngineRequest] = field(default_factory=list)  # who samples each row
+    row_positions: list[int] = field(default_factory=list)  # where each row's token goes
     # n > 1: children that sample their first token from their parent's row this step and
     # then share its blocks.
     forks: list[tuple[EngineRequest, EngineRequest]] = field(default_factory=list)

@@ -28,6 +28,8 @@ from pagedjax.core.sched_output import (
     SampleRow,
     ScheduledSequence,
     SchedulerOutput,
+    is_placeholder,
+    placeholder_token,
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
@@ -114,6 +116,19 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
 
+    def _must_wait(self, request: EngineRequest) -> bool:
+        """Whether a request whose last token is still being sampled (the step in flight) waits
+        for it instead of computing it now: penalties need the token's value on the host, and
+        a request that reaches its length limit with it will not sample again."""
+        params = request.params
+        return (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+            or request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        )
+
     def _preempt(self, out: SchedulerOutput, candidates: list[EngineRequest]) -> EngineRequest:
         """Frees the running request the policy picks among `candidates`.
 
@@ -145,6 +160,20 @@ class Scheduler:
         out.block_copies = self.kv.pop_block_copies()
         for index, (request, num_new) in enumerate(out.scheduled):
             self._add_model_input(out, index, request, num_new)
+        # The step's effects on the host are known now: the next schedule (async scheduling
+        # runs it while this step is on the device) sees the tokens as computed, each sample
+        # as a placeholder token, and the forked siblings as running.
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+        for parent, child in out.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent, child)
+            parent.children.append(child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        for row, sampler in enumerate(out.row_requests):
+            out.row_positions.append(len(sampler.all_token_ids))
+            sampler.all_token_ids.append(placeholder_token(row))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -155,8 +184,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk(request, budget)
-            if num_new <= 0:  # nothing to compute until it gets a sampled token
-                index += 1
+            if num_new <= 0 or (
+                is_placeholder(request.all_token_ids[-1]) and self._must_wait(request)
+            ):
+                index += 1  # nothing to compute until its sampled token is known
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 # running[:index] are scheduled this step: never preempted.
@@ -228,6 +259,7 @@ class Scheduler:
                     sampler.num_prompt_tokens,
                     sampler.seed,
                     bias,
+                    num_tokens=len(sampler.all_token_ids),
                 )
             )
             out.row_requests.append(sampler)
@@ -252,17 +284,10 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advances the step's requests by what it computed: computed tokens, forks, prompt
-        logprobs, one sampled token per row; finishes those a stop token, max_tokens or
-        max_model_len ends (stop strings are the output processor's)."""
-        for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
-        for parent, child in out.forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.kv.fork(parent, child)
-            parent.children.append(child)
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
+        """Puts each sampled token in place of its placeholder and finishes the sequences a
+        stop token, max_tokens or max_model_len ends (stop strings are the output
+        processor's); reports prompt logprobs. Rows of sequences that finished since the step
+        was scheduled (with async scheduling, one step earlier) are dropped."""
         outputs = []
         first = 0
         for request, count in out.prompt_logprob_requests:
@@ -276,12 +301,14 @@ class Scheduler:
                 )
             )
             first += count
+        positions = out.row_positions
         for row, request in enumerate(out.row_requests):
-            outputs.append(self._append_token(request, row, result))
+            if not request.status.finished:
+                outputs.append(self._append_token(request, row, positions[row], result))
         return outputs
 
     def _append_token(
-        self, request: EngineRequest, row: int, result: ModelRunnerOutput
+        self, request: EngineRequest, row: int, position: int, result: ModelRunnerOutput
     ) -> EngineCoreOutput:
         if not result.finite[row]:
             logger.error(
@@ -290,9 +317,9 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ERROR)
             return EngineCoreOutput(request.group_id, request.sample_index, status=request.status)
         token = int(result.token_ids[row])
-        request.append_token_ids(token)
+        request.all_token_ids[position] = token
         self.num_generated_tokens += 1
-        status = self._check_stop(request, token)
+        status = self._check_stop(request, token, position + 1)
         if status is not None:
             self.finish(request, status)
         return EngineCoreOutput(
@@ -306,14 +333,17 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def _check_stop(self, request: EngineRequest, token: int) -> RequestStatus | None:
-        num_output_tokens = request.num_output_tokens
+    def _check_stop(
+        self, request: EngineRequest, token: int, num_tokens: int
+    ) -> RequestStatus | None:
+        """The status `token`, the request's `num_tokens`-th, ends it with (None: runs on)."""
+        num_output_tokens = num_tokens - request.num_prompt_tokens
         if num_output_tokens >= request.params.min_tokens and token in request.stop_token_ids:
             # vLLM reports the id of a user stop token, and None for plain EOS.
             if token in request.params.stop_token_ids:
                 request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

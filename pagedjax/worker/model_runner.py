@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -91,13 +92,55 @@ def activation_bytes(
 # Module-level, so engines over the same model and shapes share its compilations.
 @partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("kv_cache",))
 def _forward_step(
-    params, token_ids, positions, kv_cache, metadata, rows, copies, config, attention_fn
+    params,
+    token_ids,  # [T] int32
+    sources,  # [T] int32: -1, or the previous step's sample row whose token this one is
+    previous,  # [P] int32: the previous step's sampled tokens (async scheduling)
+    positions,
+    kv_cache,
+    metadata,
+    rows,
+    copies,
+    config,
+    attention_fn,
 ):
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
+    token_ids = jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
     return forward_logits(
         params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn
     )
+
+
+@partial(jax.jit, static_argnames=("size",))
+def _fixed_rows(token_ids: jax.Array, size: int) -> jax.Array:
+    """A step's sampled tokens ([rows], padded per step) at a fixed length [size], so the next
+    forward's shape does not depend on the previous step's row bucket."""
+    return jnp.zeros(size, jnp.int32).at[: min(size, token_ids.shape[0])].set(token_ids[:size])
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: device arrays until `result()` waits for them (the step's one sync)."""
+
+    token_ids: jax.Array | None  # [R] sampled tokens (None: no sample rows)
+    finite: jax.Array | None
+    logprobs: TokenLogprobs | None
+    prompt_logprobs: TokenLogprobs | None
+    num_rows: int
+    num_targets: int
+
+    def result(self) -> ModelRunnerOutput:
+        n = self.num_rows
+        if self.token_ids is None:
+            empty = np.zeros(0, np.int32), np.zeros(0, bool)
+            return ModelRunnerOutput(*empty, None, _fetch(self.prompt_logprobs, self.num_targets))
+        return ModelRunnerOutput(
+            np.asarray(self.token_ids)[:n],
+            np.asarray(self.finite)[:n],
+            _fetch(self.logprobs, n),
+            _fetch(self.prompt_logprobs, self.num_targets),
+        )
 
 
 def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
@@ -141,12 +184,17 @@ class ModelRunner:
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
+        self._no_previous = jnp.zeros(max_seqs, jnp.int32)
 
-    def _forward(self, params, token_ids, positions, kv_cache, metadata, rows, copies):
+    def _forward(
+        self, params, token_ids, positions, kv_cache, metadata, rows, copies, sources, previous
+    ):
         cached = _forward_step._cache_size()  # the shared step's compiled shapes so far
         out = _forward_step(
             params,
             token_ids,
+            sources,
+            previous,
             positions,
             kv_cache,
             metadata,
@@ -213,6 +261,10 @@ class ModelRunner:
             ends.append(end)
             lens.append(computed + q_len)
         tokens[:num_tokens] = step_tokens
+        # Placeholders (negative ids) name the previous step's sample rows: the forward reads
+        # those tokens on the device (async scheduling).
+        sources = np.where(tokens < 0, -1 - tokens, -1).astype(np.int32)
+        np.maximum(tokens, 0, out=tokens)
         positions[:num_tokens] = step_positions
         slots[:num_tokens] = step_slots
         seq_lens[: len(seqs)] = lens
@@ -236,7 +288,7 @@ class ModelRunner:
             num_tokens=np.int32(num_tokens),
         )
         r_pad = max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
-        return tokens.copy(), positions.copy(), metadata, r_pad, copies
+        return tokens.copy(), positions.copy(), metadata, r_pad, copies, sources
 
     def execute(
         self,
@@ -244,9 +296,23 @@ class ModelRunner:
         rows: Sequence[SampleRow],
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
+        previous: StepHandle | None = None,
     ) -> ModelRunnerOutput:
-        """Runs one step: copy-on-write copies, the forward, a sample for each row, and the
-        logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top ones)."""
+        """Runs one step and waits for its result."""
+        return self.dispatch(seqs, rows, block_copies, num_prompt_logprobs, previous).result()
+
+    def dispatch(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        rows: Sequence[SampleRow],
+        block_copies: Sequence[tuple[int, int]] = (),
+        num_prompt_logprobs: int | None = None,
+        previous: StepHandle | None = None,
+    ) -> StepHandle:
+        """Dispatches one step without waiting for it: copy-on-write copies, the forward, a
+        sample for each row, and the logprobs of the prompt tokens the sequences name
+        (`num_prompt_logprobs` top ones). Placeholder tokens in `seqs` are `previous`'s
+        samples, read on the device."""
         ends = np.cumsum([len(s.token_ids) for s in seqs])
         sample_rows = [ends[r.seq_index] - 1 for r in rows]
         prompt_rows, targets = [], []
@@ -256,13 +322,25 @@ class ModelRunner:
                 prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
                 targets += seq.prompt_logprob_targets
         num_rows = len(rows) + len(prompt_rows)
-        tokens, positions, metadata, r_pad, copies = self.prepare(
+        tokens, positions, metadata, r_pad, copies, sources = self.prepare(
             seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows)
         )
         logits_rows = np.zeros(r_pad, np.int32)
         logits_rows[:num_rows] = sample_rows + prompt_rows
+        if previous is not None and previous.token_ids is not None:
+            sampled = _fixed_rows(previous.token_ids, self.max_seqs_bucket)
+        else:
+            sampled = self._no_previous
         logits, self.kv_cache = self._forward(
-            self.params, tokens, positions, self.kv_cache, metadata, logits_rows, copies
+            self.params,
+            tokens,
+            positions,
+            self.kv_cache,
+            metadata,
+            logits_rows,
+            copies,
+            sources,
+            sampled,
         )
         prompt = None
         if prompt_rows:
@@ -275,8 +353,7 @@ class ModelRunner:
                 logits, which, padded_targets, num_prompt_logprobs or 0, self.sampling
             )
         if not rows:
-            empty = np.zeros(0, np.int32), np.zeros(0, bool)
-            return ModelRunnerOutput(*empty, None, _fetch(prompt, len(targets)))
+            return StepHandle(None, None, None, prompt, 0, len(targets))
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -286,6 +363,7 @@ class ModelRunner:
             num_rows=r_pad,
             extra_bias=[r.extra_bias for r in rows],
             history_width=self.max_blocks_per_seq * self.block_size,
+            num_tokens=[r.num_tokens for r in rows],
         )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
@@ -298,12 +376,13 @@ class ModelRunner:
             use_truncation=needs_truncation(params),
             all_greedy=all(p.greedy for p in params),
         )
-        n = len(rows)
-        return ModelRunnerOutput(
-            np.asarray(out.token_ids)[:n],
-            np.asarray(out.finite)[:n],
-            _fetch(out.logprobs if num_logprobs is not None else None, n),
-            _fetch(prompt, len(targets)),
+        return StepHandle(
+            out.token_ids,
+            out.finite,
+            out.logprobs if num_logprobs is not None else None,
+            prompt,
+            len(rows),
+            len(targets),
         )
 
     def reset_kv_cache(self) -> None:
@@ -337,6 +416,8 @@ class ModelRunner:
                     metadata,
                     np.zeros(s_pad, np.int32),
                     np.zeros((0, 2), np.int32),
+                    np.full(t_pad, -1, np.int32),
+                    self._no_previous,
                 )
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)

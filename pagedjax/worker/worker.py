@@ -18,9 +18,9 @@ from models.llama import Params
 from models.loader import load_model
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
-from pagedjax.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedjax.core.sched_output import SchedulerOutput
 from pagedjax.platforms import Platform
-from pagedjax.worker.model_runner import ModelRunner, activation_bytes
+from pagedjax.worker.model_runner import ModelRunner, StepHandle, activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,12 @@ class Worker:
             self.kv_spec,
         )
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
+    def execute_model(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
+        """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are
+        `previous`'s samples."""
+        return self.runner.dispatch(
+            out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs, previous
+        )
 
     def kv_cache_lost(self) -> bool:
         """Whether a failed step consumed the donated pool (every request's KV with it)."""

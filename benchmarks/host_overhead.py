@@ -3,6 +3,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
 
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
+    python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
 
 Default: the real model on this machine's device; the waiting is the time blocked on the step's
 device results (the only host sync of a step), timed around a block_until_ready on the
@@ -14,6 +15,10 @@ tokens), so a step is the engine's host work alone: microseconds of CPU time per
 number that bounds a GPU's steps per second. Measured for the two output kinds that matter:
 CUMULATIVE (every running request gets an output each step, as `LLMEngine.step` callers
 stream) and FINAL_ONLY (what `LLM.generate` asks for).
+
+--overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
+scheduling off and on, one engine after the other in the same run: steps/s of each and the
+ratio. With it on, step N+1's host work runs while step N is on the device.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def start_requests(llm, running: int, max_tokens: int, **params) -> None:
         engine.step()
 
 
-def make_llm(running: int, max_num_batched_tokens: int = 512):
+def make_llm(running: int, max_num_batched_tokens: int = 512, **options):
     from pagedjax.llm import LLM
 
     return LLM(
@@ -60,6 +65,7 @@ def make_llm(running: int, max_num_batched_tokens: int = 512):
         max_num_batched_tokens=max(max_num_batched_tokens, running),
         max_num_seqs=running,
         num_kv_blocks=kv_blocks(running, 384),
+        **options,
     )
 
 
@@ -117,7 +123,7 @@ def host_only(args) -> None:
     rng = np.random.default_rng(0)
     words = None  # ids of ordinary text: no newline, so the stop string never ends a request
 
-    def no_forward(params, token_ids, positions, kv_cache, metadata, rows, copies):
+    def no_forward(params, token_ids, positions, kv_cache, *args):
         return None, kv_cache
 
     def random_tokens(logits, meta, *args, **options):
@@ -156,13 +162,42 @@ def host_only(args) -> None:
     report("host_overhead_host_only", result)
 
 
+def overlap(args) -> None:
+    from pagedjax.sampling_params import RequestOutputKind
+
+    result = {"running_requests": args.running, "steps": args.steps}
+    for mode in ("off", "on"):
+        llm = make_llm(args.running, async_scheduling=mode == "on")
+        engine = llm.llm_engine
+        engine.engine_core.worker.runner.warmup()
+        max_tokens = args.steps + 64
+        start_requests(llm, args.running, max_tokens, output_kind=RequestOutputKind.CUMULATIVE)
+        for _ in range(3):  # compiles the sampler's variant for these rows
+            engine.step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        assert len(engine.engine_core.scheduler.running) == args.running, "a request ended"
+        result[f"async_{mode}_steps_per_s"] = 1 / statistics.median(times)
+        result[f"async_{mode}_step_ms_median"] = 1000 * statistics.median(times)
+        del llm, engine
+    result["ratio_on_vs_off"] = result["async_on_steps_per_s"] / result["async_off_steps_per_s"]
+    report("host_overhead_overlap", result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--steps", type=int, default=None, help="decode steps measured")
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
+    parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
     args = parser.parse_args()
-    if args.host_only:
+    if args.overlap:
+        args.steps = args.steps or 30
+        overlap(args)
+    elif args.host_only:
         args.steps = args.steps or 100
         host_only(args)
     else:

@@ -161,6 +161,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
     )
+    engine.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        default=None,
+        help="wait for each step before scheduling the next",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

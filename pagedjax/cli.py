@@ -134,6 +134,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="answer 503 once this many requests wait (default: no limit)",
     )
     parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="compile each step shape on first use instead of before listening",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -177,7 +183,10 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     from pagedjax.entrypoints.openai.api_server import run_server
 
-    return run_server(args)
+    try:
+        return run_server(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading: the engine is already shut down
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -261,15 +261,20 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedjax.async_llm import AsyncLLM
+    from pagedjax.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncLLM(
-            args.model, max_waiting_requests=args.max_waiting_requests, **engine_options(args)
-        )
+        core = LLMEngine(EngineConfig.from_options(args.model, **engine_options(args)))
+        engine = AsyncLLM(engine=core, max_waiting_requests=args.max_waiting_requests)
     except ValueError as e:  # a bad option or model: its message says what to change
         raise SystemExit(f"pagedjax serve: {e}") from e
     try:
+        if args.warmup:
+            # Compiled before the port opens, so no client's first request pays for it; the
+            # engine loop is idle until a request comes.
+            seconds = core.engine_core.worker.runner.warmup()
+            logger.info("compiled every step shape in %.1f s", seconds)
         name = args.served_model_name or default_model_name(args.model)
         app = build_app(engine, name, api_key=args.api_key, owns_engine=True)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)

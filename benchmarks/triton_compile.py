@@ -15,6 +15,7 @@ A developer tool, not part of the runtime package (it imports jaxlib's private `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -233,7 +234,22 @@ def lower_for_cuda(
     else:
         raise ValueError(f"kernel must be 'ragged' or 'decode', not {kernel!r}")
     args += (i32((num_seqs, width)), i32(()), scales, scales)
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with cuda_target(capability):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# A GPU of each compute capability, as jax names its kind.
+GPU_OF_CAPABILITY = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H100"}
+
+
+def cuda_target(capability: int) -> contextlib.AbstractContextManager:
+    """Lowering for a GPU that is not here: jax 0.11's Triton lowering reads the target from
+    an abstract device (0.10 assumed sm_90 without a GPU, and ignores this)."""
+    device = jax.sharding.AbstractDevice(
+        device_kind=GPU_OF_CAPABILITY[capability], num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("target",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def compile_kernel(kernel: str, capability: int = 90, **shapes) -> CompiledKernel:

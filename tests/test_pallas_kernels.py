@@ -45,6 +45,7 @@ from models.llama import forward_logits_jit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from triton_compile import (  # noqa: E402  (a developer tool)
+    cuda_target,
     lower_for_cuda,
     triton_call_targets,
     triton_ir_text,
@@ -388,10 +389,11 @@ def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, k
     )
     tokens = i32((num_tokens,))
     attention = functools.partial(paged_attention, interpret=False)
-    traced = forward_logits_jit.trace(
-        params, c, tokens, tokens, KVCache(pool, pool), metadata, i32((num_seqs,)), attention
-    )
-    lowered = traced.lower(lowering_platforms=("cuda",))
+    with cuda_target(90):
+        traced = forward_logits_jit.trace(
+            params, c, tokens, tokens, KVCache(pool, pool), metadata, i32((num_seqs,)), attention
+        )
+        lowered = traced.lower(lowering_platforms=("cuda",))
     targets = triton_call_targets(lowered)
     assert len(targets) == kernels, targets
     # The pool is donated: both its arrays alias outputs, so the GPU step writes in place.

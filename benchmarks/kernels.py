@@ -1,7 +1,7 @@
 """GPU benchmark of the Pallas attention kernels against JAX's bundled Pallas paged attention and
 the XLA (pure jnp) reference, in one run, on one device.
 
-    python benchmarks/kernels.py --out DIR [--iters 20] [--quick]
+    python benchmarks/kernels.py --out DIR [--iters 20] [--quick] [--large-pool[-only]]
 
 Decode batches (batch x context) 1x32k, 16x4k, 64x2k, 256x1k with 32 query heads, 8 KV heads,
 head_dim 128, bf16 (and fp8 for our kernel), page size 16; plus a mixed step of prefill chunks
@@ -9,16 +9,23 @@ and decode tokens. For each: median time per call, achieved KV bandwidth (unique
 the visible context / time) and its fraction of a measured device copy bandwidth. Prints a
 table and writes DIR/kernels.json. Needs a GPU; each measurement is guarded so one failure
 (e.g. a peer that rejects a shape) is recorded and the rest still run.
+
+--large-pool adds decode steps over pools past 4 GiB (bf16 and fp8: 64-bit offsets) and an
+fp8 pool of 3 GiB (read one layer at a time), with the sequences' pages at the top of the pool
+(the highest block ids) and NaN everywhere else: both kernels are timed and checked against
+the reference (finite, max error). Each is skipped when the device has too little free memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,15 @@ TUNING_VARIANTS = {
 # Skip the XLA reference when its per-token page gather would exceed this (it materialises
 # [T, pages, Hkv, block, D] in float32 for K and for V).
 REFERENCE_GATHER_LIMIT = 24 << 30
+# --large-pool: (name, pool dtype, GiB per K or V array). Past 4 GiB the Triton lowering uses
+# 64-bit offsets; an fp8 pool of 2-4 GiB is read through a copy of the step's layer.
+LARGE_POOL_CASES = [
+    ("large_pool_bf16_6g", jnp.bfloat16, 6),
+    ("large_pool_fp8_6g", jnp.float8_e4m3fn, 6),
+    ("large_pool_fp8_3g", jnp.float8_e4m3fn, 3),
+]
+# 16 decode sequences of ~4k tokens; the last page of each is partly past its context.
+LARGE_POOL_SEQS = [(1, 4096 - 5)] * 16
 
 
 def timed(fn: Callable[..., Any], *args: Any, iters: int, repeats: int = 5) -> float:
@@ -103,6 +119,114 @@ def make_step(
     kv_bytes = sum(p * BLOCK_SIZE for p in pages) * NUM_KV_HEADS * HEAD_DIM * 2
     kv_bytes *= jnp.dtype(kv_dtype).itemsize
     return q, KVCache(k, v), metadata, kv_bytes
+
+
+def top_block_tables(
+    seqs: list[tuple[int, int]], num_blocks: int, seed: int = 0
+) -> list[list[int]]:
+    """Each sequence's pages drawn, shuffled, from the highest block ids of the pool, so the
+    kernels' page offsets reach the pool's end."""
+    pages = [-(-ctx // BLOCK_SIZE) for _, ctx in seqs]
+    top = np.random.default_rng(seed).permutation(np.arange(num_blocks - sum(pages), num_blocks))
+    starts = np.cumsum([0, *pages])
+    return [top[a:b].tolist() for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def large_pool_blocks(kv_dtype: jnp.dtype | type, gib: float) -> int:
+    """Blocks of a pool of `gib` GiB per K or V array, NUM_LAYERS layers."""
+    block_bytes = NUM_LAYERS * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * jnp.dtype(kv_dtype).itemsize
+    return int(gib * (1 << 30)) // block_bytes
+
+
+def make_large_pool_step(
+    seqs: list[tuple[int, int]], kv_dtype: jnp.dtype | type, gib: float, seed: int = 0
+) -> tuple[jax.Array, KVCache, AttentionMetadata, int]:
+    """A pool of `gib` GiB per array, NaN except the step's context, which sits in the highest
+    block ids (the last page of a sequence past its length is NaN too)."""
+    num_blocks = large_pool_blocks(kv_dtype, gib)
+    tables = top_block_tables(seqs, num_blocks, seed)
+    metadata = build_metadata([q for q, _ in seqs], [c for _, c in seqs], tables, BLOCK_SIZE)
+    metadata = jax.tree.map(jnp.asarray, metadata)
+    ids = jnp.asarray(np.concatenate(tables), jnp.int32)  # [P]
+    # [P, block]: the positions of each used page that hold context
+    positions = [np.arange(len(t) * BLOCK_SIZE).reshape(-1, BLOCK_SIZE) for t in tables]
+    written = np.concatenate([pos < c for pos, (_, c) in zip(positions, seqs, strict=True)])
+    mask = jnp.asarray(written)[None, None, :, :, None]
+    shape = (NUM_LAYERS, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
+    pages_shape = (NUM_LAYERS, NUM_KV_HEADS, ids.shape[0], BLOCK_SIZE, HEAD_DIM)
+
+    @jax.jit
+    def nan_pool():
+        return jnp.full(shape, jnp.nan, kv_dtype)
+
+    # Donated, so the scatter of the step's pages does not hold two pools at once.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def scatter(pool, key):
+        values = jax.random.normal(key, pages_shape, jnp.bfloat16)
+        return pool.at[:, :, ids].set(jnp.where(mask, values, jnp.nan).astype(kv_dtype))
+
+    key_k, key_v, key_q = jax.random.split(jax.random.key(seed), 3)
+    k, v = scatter(nan_pool(), key_k), scatter(nan_pool(), key_v)
+    num_tokens = sum(q for q, _ in seqs)
+    q = jax.random.normal(key_q, (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    kv_bytes = sum(c for _, c in seqs) * NUM_KV_HEADS * HEAD_DIM * 2
+    kv_bytes *= jnp.dtype(kv_dtype).itemsize
+    return q, KVCache(k, v), metadata, kv_bytes
+
+
+def free_device_bytes(device: jax.Device) -> int:
+    """Bytes the device can still allocate; 0 where it does not say (a CPU)."""
+    stats = device.memory_stats() or {}
+    return max(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0), 0)
+
+
+def run_large_pool_case(
+    name: str,
+    kv_dtype: jnp.dtype | type,
+    gib: float,
+    *,
+    iters: int,
+    copy_bw: float,
+    seqs: list[tuple[int, int]] = LARGE_POOL_SEQS,
+    tiny: bool = False,  # a CPU smoke run: a pool of gib MiB, no memory check
+) -> dict:
+    """Both kernels on a decode step whose pages sit at the top of a `gib` GiB pool (NaN
+    elsewhere): timings, whether the output is finite, and its error against the reference."""
+    result = {"case": name, "kv_dtype": jnp.dtype(kv_dtype).name, "pool_gib": gib, "timings": {}}
+    device = jax.devices()[0]
+    needed = 2 * gib * (1 << 30) + (2 << 30)  # K, V and room for the step
+    if not tiny and (device.platform != "gpu" or free_device_bytes(device) < needed):
+        result["skipped"] = f"needs a GPU with {needed / (1 << 30):.0f} GiB free"
+        return result
+    pool_gib = gib / 1024 if tiny else gib
+    q, cache, metadata, kv_bytes = make_large_pool_step(seqs, kv_dtype, pool_gib)
+    result.update(num_blocks=cache.k.shape[2], pool_bytes=2 * cache.k.nbytes, kv_bytes=kv_bytes)
+    scale = HEAD_DIM**-0.5
+    k_scale = 1.0 if jnp.dtype(kv_dtype).itemsize == 1 else None
+    candidates = {
+        label: jax.jit(
+            lambda q, c, m, decode=decode: paged_attention(
+                q, c, LAYER, m, scale=scale, decode_only=decode, k_scale=k_scale,
+                v_scale=k_scale,
+            )
+        )
+        for label, decode in (("pallas_ragged", False), ("pallas_split_k", True))
+    }  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:  # the fp8 2-4 GiB layer copy
+        warnings.simplefilter("always")
+        for label, fn in candidates.items():
+            result["timings"][label] = measure(fn, (q, cache, metadata), kv_bytes, iters, copy_bw)
+    result["warnings"] = sorted({str(w.message) for w in caught})
+    want = ragged_paged_attention(q, cache, LAYER, metadata, scale=scale)
+    want = np.asarray(want.astype(jnp.float32))
+    result["reference_finite"] = bool(np.isfinite(want).all())
+    for label, fn in candidates.items():
+        if "error" in result["timings"][label]:
+            continue
+        got = np.asarray(fn(q, cache, metadata).astype(jnp.float32))
+        result["timings"][label]["finite"] = bool(np.isfinite(got).all())
+        result["timings"][label]["max_abs_error_vs_reference"] = float(np.abs(got - want).max())
+    return result
 
 
 def bundled_peer(
@@ -228,6 +352,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no fp8")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself")
+    parser.add_argument(
+        "--large-pool",
+        action="store_true",
+        help="also decode over pools of 6 GiB (bf16, fp8) and 3 GiB (fp8), pages at the top",
+    )
+    parser.add_argument(
+        "--large-pool-only", action="store_true", help="only the --large-pool cases"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -260,6 +392,8 @@ def main() -> None:
             )
             cases.append((name, [(1, context)] * batch, kv_dtype, True))
     cases.append(("mixed_prefill_decode", mixed, jnp.bfloat16, False))
+    if args.large_pool_only:
+        cases = []
 
     for name, seqs, kv_dtype, decode in cases:
         with_peers = kv_dtype == jnp.bfloat16
@@ -268,17 +402,36 @@ def main() -> None:
             with_peers=with_peers,
         )  # fmt: skip
         report["cases"].append(result)
-        for label, timing in result["timings"].items():
-            if "error" in timing:
-                print(f"{name:24s} {result['kv_dtype']:14s} {label:28s} ERROR {timing['error']}")
-            else:
-                print(
-                    f"{name:24s} {result['kv_dtype']:14s} {label:28s} {timing['us']:9.1f} us "
-                    f"{timing['kv_gb_per_s']:7.0f} GB/s {timing['fraction_of_copy_bw']:6.1%}",
-                    flush=True,
-                )
+        print_result(result)
+        (args.out / "kernels.json").write_text(json.dumps(report, indent=2))
+    for name, kv_dtype, gib in LARGE_POOL_CASES if args.large_pool or args.large_pool_only else []:
+        result = run_large_pool_case(
+            name, kv_dtype, gib, iters=args.iters, copy_bw=copy_bw,
+            **(dict(seqs=[(1, 60), (1, 37)], tiny=True) if args.tiny else {}),
+        )  # fmt: skip
+        report["cases"].append(result)
+        print_result(result)
         (args.out / "kernels.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'kernels.json'}")
+
+
+def print_result(result: dict) -> None:
+    """One line per timing of a case (and its error against the reference, if checked)."""
+    name, kv_dtype = result["case"], result["kv_dtype"]
+    if "skipped" in result:
+        print(f"{name:24s} {kv_dtype:14s} skipped: {result['skipped']}", flush=True)
+    for label, timing in result["timings"].items():
+        if "error" in timing:
+            print(f"{name:24s} {kv_dtype:14s} {label:28s} ERROR {timing['error']}")
+            continue
+        checked = ""
+        if "max_abs_error_vs_reference" in timing:
+            checked = f" finite={timing['finite']} err={timing['max_abs_error_vs_reference']:.3g}"
+        print(
+            f"{name:24s} {kv_dtype:14s} {label:28s} {timing['us']:9.1f} us "
+            f"{timing['kv_gb_per_s']:7.0f} GB/s {timing['fraction_of_copy_bw']:6.1%}{checked}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def triton_call_targets(lowered: jax.stages.Lowered) -> list[str]:
 
 def triton_kernels(lowered: jax.stages.Lowered) -> list[TritonKernel]:
     """The Triton IR kernels that `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
-    embedded (jaxlib <= 0.10.2 leaves their compilation to XLA; newer jaxlibs embed none)."""
+    embedded (jaxlib 0.10 and 0.11 leave their compilation to XLA)."""
     kernels = []
     for target, attrs in _custom_calls(lowered):
         if target != TRITON_CALL_TARGET:

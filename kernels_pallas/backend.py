@@ -42,6 +42,10 @@ class AttentionBackend(Protocol):
     # width: the runner then gives it one width (max_model_len's) and buckets only tokens.
     # False: the runner buckets the width to the step's longest context (powers of two).
     cost_follows_context: bool
+    # True when decode-only steps (every sequence one new token) have a kernel of their own:
+    # the runner then passes `decode_only=True/False` per step, statically (one compiled
+    # variant each). False: the runner never passes it, and the flag is no compile key.
+    has_decode_kernel: bool
 
     def supports(self, spec: AttentionSpec) -> str | None:
         """None if this backend runs `spec` on this machine, else the reason it cannot."""
@@ -57,6 +61,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: jax.Array | int | None = None,  # 0 or None: unlimited
         soft_cap: float | None = None,
+        decode_only: bool | None = None,  # True: every q_len <= 1; None: unknown; else ignored
     ) -> jax.Array:  # [T, Hq, D] in q's dtype; rows of padding tokens stay finite
         ...
 
@@ -74,6 +79,7 @@ class FunctionBackend:
     cost_follows_context: bool
     check: Callable[[AttentionSpec], str | None] = _runs_anything  # supports(spec)
     kv_layout: str = KV_LAYOUT
+    has_decode_kernel: bool = False  # True: fn takes a `decode_only` keyword
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)
@@ -88,7 +94,17 @@ class FunctionBackend:
         scale: float,
         sliding_window: jax.Array | int | None = None,
         soft_cap: float | None = None,
+        decode_only: bool | None = None,
     ) -> jax.Array:
+        # Functions without a decode kernel do not take the flag; it changes nothing for them.
+        extra = {"decode_only": decode_only} if self.has_decode_kernel else {}
         return self.fn(
-            q, cache, layer, metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
+            q,
+            cache,
+            layer,
+            metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            **extra,
         )

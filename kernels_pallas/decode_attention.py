@@ -4,8 +4,10 @@ For a batch where every sequence has at most one new token, the ragged kernel's 
 (sequences x KV heads) programs, each streaming its whole context: with few long sequences most
 SMs idle. Here each sequence's KV tiles are split across `num_splits` programs; each writes an
 unnormalised partial (acc [M, D], running max m [M], running sum l [M]) in float32 and a small
-jnp epilogue merges the splits. The split of a sequence is balanced over ITS OWN visible tiles
-(dynamic), so short sequences in the batch do not get empty splits and long ones full ones.
+jnp epilogue merges the splits. `num_splits` (static, from occupancy) only bounds the grid:
+each sequence's OWN visible tiles are cut at run time into at most that many whole-tile pieces
+of at least `min_tokens_per_split` positions, so a short sequence uses fewer splits (its other
+programs exit at once with a neutral partial) and a long one all of them.
 
 Grid: (S, Hkv, num_splits). A program's M rows are the G query heads of its KV head padded to
 max(16, Gp) (16 is Triton's minimum dot size; decode is bound by KV bandwidth, so the padded
@@ -40,8 +42,10 @@ class DecodeConfig:
     # KT, rounded up to whole pages, power of two, >= 16. None: 64, or 32 for float32 pools,
     # whose FMA dots hold their operands in registers, where 64-token tiles spill.
     kv_tile_tokens: int | None = None
-    num_splits: int | None = None  # None: choose_num_splits
-    num_warps: int | None = None  # None: 4, or 8 for head_dim 256
+    num_splits: int | None = None  # None: choose_num_splits (the grid's bound; see the kernel)
+    # A sequence's context is split into pieces of at least this many positions (whole tiles).
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT
+    num_warps: int | None = None  # None: 4, or 8 for head_dim 256 (float32: 128)
     num_stages: int = 2
 
 
@@ -61,15 +65,20 @@ def device_sm_count(device: jax.Device | None = None) -> int:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int | None = None
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    num_sms: int | None = None,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
-    """Splits per sequence so that programs = S x Hkv x splits fill about two waves of SMs,
-    never splitting the longest possible context (max_context = block-table width x page size)
-    into pieces shorter than MIN_TOKENS_PER_SPLIT."""
+    """The grid's static split dimension: programs = S x Hkv x splits fill about two waves of
+    SMs, and the longest possible context (max_context = block-table width x page size) is
+    not cut into pieces shorter than min_tokens_per_split. An upper bound: the kernel splits
+    each sequence's actual length into at most this many pieces (`split_tiles`)."""
     num_sms = num_sms or device_sm_count()
     base_programs = max(num_seqs * num_kv_heads, 1)
     wanted = -(-2 * num_sms // base_programs)
-    by_length = max(max_context // MIN_TOKENS_PER_SPLIT, 1)
+    by_length = max(max_context // min_tokens_per_split, 1)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -88,6 +97,7 @@ def _decode_kernel(
     *,
     loop: pallas_common.TileLoop,
     num_splits: int,
+    min_split_tiles: int,
     use_window: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -101,24 +111,51 @@ def _decode_kernel(
     if use_window:
         tile_lo = lax.div(jnp.where(window > 0, jnp.maximum(seq_len - window, 0), 0), kv_tile)
     tile_hi = lax.div(seq_len + kv_tile - 1, kv_tile)
-    per_split = lax.div(tile_hi - tile_lo + num_splits - 1, num_splits)
-    start = tile_lo + split * per_split
-    stop = jnp.minimum(start + per_split, tile_hi)
+    start, stop = split_tiles(tile_lo, tile_hi, split, num_splits, min_split_tiles)
+
+    def key_visible(key_pos):  # [KT] -> [KT]: the keys of the one query
+        seen = key_pos < seq_len
+        if use_window:
+            seen &= (window <= 0) | (key_pos > query_pos - window)
+        return seen
 
     def visible(key_pos):  # [KT] -> [M, KT]: every row is the same query
-        key_visible = key_pos < seq_len
-        if use_window:
-            key_visible &= (window <= 0) | (key_pos > query_pos - window)
-        return jnp.broadcast_to(key_visible[None, :], (rows, kv_tile))
+        return jnp.broadcast_to(key_visible(key_pos)[None, :], (rows, kv_tile))
 
-    # Zero-trip for padding sequences (seq_len 0) and for splits past a short sequence's tiles.
-    q, scale = q_ref[...], scales_ref[0, layer, head]
-    acc, m, denom = pallas_common.attend_kv_tiles(
-        loop, q, k_ref, v_ref, block_tables_ref, seq, layer, (start, stop), visible, scale
-    )
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = denom
+    @pl.when(start >= stop)  # a padding sequence, or a split past this sequence's pieces
+    def _neutral_partial():  # m = -inf, l = 0: the merge gives it weight 0
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+    @pl.when(start < stop)
+    def _attend():
+        q, scale = q_ref[...], scales_ref[0, layer, head]
+        tiles = (start, stop)
+        acc, m, denom = pallas_common.attend_kv_tiles(
+            loop, q, k_ref, v_ref, block_tables_ref, seq, layer, tiles, visible, key_visible, scale
+        )
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+
+
+def split_tiles(
+    tile_lo: jax.Array,  # [] int32: the first tile the query sees
+    tile_hi: jax.Array,  # [] int32: one past its last
+    split: jax.Array,  # [] int32: this program's split, 0 <= split < num_splits
+    num_splits: int,
+    min_split_tiles: int,
+) -> tuple[jax.Array, jax.Array]:  # [start, stop) tiles; start >= stop: nothing to do
+    """The KV tiles program `split` reads of one sequence: its visible tiles cut into
+    used = clip(tiles // min_split_tiles, 1, num_splits) pieces balanced to within a tile, so
+    each piece has at least min_split_tiles tiles (or is the whole context), and splits >= used
+    are empty. A short sequence uses fewer splits than the grid has."""
+    num_tiles = tile_hi - tile_lo
+    used = jnp.clip(lax.div(num_tiles, min_split_tiles), 1, num_splits)
+    start = tile_lo + lax.div(split * num_tiles, used)
+    stop = jnp.minimum(tile_lo + lax.div((split + 1) * num_tiles, used), tile_hi)
+    return start, stop
 
 
 def merge_splits(
@@ -128,7 +165,10 @@ def merge_splits(
 ) -> jax.Array:  # [..., M, D] float32, 0 where no split saw a key
     """The splits' unnormalised partials of each row merged into its normalised output."""
     m_max = jnp.max(m, axis=-2, keepdims=True)
-    weight = jnp.exp(m - m_max)  # empty splits: m = MASK_VALUE, weight 0 (or 1 with l = 0)
+    # Empty splits have m = -inf, l = 0, acc = 0; where every split is empty (a padding
+    # sequence) a finite m_max keeps exp(m - m_max) at 0 instead of NaN.
+    m_max = jnp.where(m_max > -jnp.inf, m_max, 0.0)
+    weight = jnp.exp(m - m_max)
     total = jnp.sum(denom * weight, axis=-2)
     out = jnp.sum(acc * weight[..., None], axis=-3)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
@@ -140,7 +180,9 @@ def decode_tiling(
     """(KV tile tokens KT, num_warps): `config` over the defaults."""
     default_kv_tile = 32 if pallas_common.matmul_dtype(kv_dtype) == jnp.float32 else 64
     kv_tile = pallas_common.kv_tile_tokens(config.kv_tile_tokens or default_kv_tile, block_size)
-    return kv_tile, config.num_warps or (8 if head_dim >= 256 else 4)
+    # float32 tiles at head_dim 128 spill on 4 warps with Triton 3.7 (255 registers, 160 B).
+    wide = head_dim >= 256 or (head_dim >= 128 and default_kv_tile == 32)
+    return kv_tile, config.num_warps or (8 if wide else 4)
 
 
 @functools.partial(jax.jit, static_argnames=pallas_common.KERNEL_STATIC_ARGS)
@@ -168,9 +210,11 @@ def decode_attention_kernel(
     group = num_q_heads // num_kv_heads
     rows = max(next_power_of_2(group), 16)
     kv_tile, num_warps = decode_tiling(k_pool.dtype, head_dim, block_size, config)
+    max_context = block_tables.shape[1] * block_size
     num_splits = config.num_splits or choose_num_splits(
-        num_seqs, num_kv_heads, block_tables.shape[1] * block_size
+        num_seqs, num_kv_heads, max_context, min_tokens_per_split=config.min_tokens_per_split
     )
+    min_split_tiles = max(-(-config.min_tokens_per_split // kv_tile), 1)
 
     matmul = pallas_common.matmul_dtype(k_pool.dtype)
     q_rows = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(matmul)
@@ -186,6 +230,7 @@ def decode_attention_kernel(
         _decode_kernel,
         loop=pallas_common.TileLoop(kv_tile, soft_cap, software_fp8, config.num_stages),
         num_splits=num_splits,
+        min_split_tiles=min_split_tiles,
         use_window=use_window,
     )
     partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
@@ -197,6 +242,7 @@ def decode_attention_kernel(
         pl.BlockSpec((None, None, rows, head_dim), lambda s, h, p: (s, h, 0, 0)),
         k_pool,
         v_pool,
+        layer=layer,
         grid=(num_seqs, num_kv_heads, num_splits),
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, p: (s, h, p, 0, 0)),

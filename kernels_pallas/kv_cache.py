@@ -16,8 +16,9 @@ layer writes into and gathers from the stacked array at its layer index, so no s
 
 An fp8 pool (float8_e4m3fn, one byte per element: half of bf16) carries per-layer, per-KV-head
 float32 scales: stored = value / scale on write, value = stored * scale on read. Other dtypes
-have no scales. Scales start at 1 (vLLM's default without calibration); set them from
-calibration data to use more of fp8's range.
+have no scales. Scales start at 1 (vLLM's default without calibration); `with_scales` sets
+others (`pagedjax/kv_scales.py` loads or calibrates them). A write saturates at the format's
+largest finite value times the scale.
 
 Block 0 is the null block: the block manager never hands it out, so padding entries of block
 tables may point at it. Padding tokens carry a negative slot and are dropped by the write.
@@ -89,6 +90,34 @@ KV_CACHE_DTYPES = {
 }
 
 
+def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x / scale in float32, clamped to the 8-bit format's finite range (still float32).
+
+    Without the clamp a value past the range casts to NaN (e4m3fn has no inf) or inf (e5m2);
+    saturating to +-max keeps an outlier finite, as a GPU's saturating conversion does.
+    """
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit)
+
+
+def with_scales(
+    cache: KVCache, k_scale: jax.typing.ArrayLike, v_scale: jax.typing.ArrayLike
+) -> KVCache:
+    """The pool with new [num_layers, num_kv_heads] scales; raises ValueError on a pool
+    without scales or a wrong shape."""
+    if cache.k_scale is None:
+        raise ValueError(f"a {cache.k.dtype} pool has no scales: only 8-bit pools are scaled")
+    # Fresh buffers: the pool is donated, and the caller may still hold (or donate) its own.
+    k_scale, v_scale = (jnp.array(s, jnp.float32, copy=True) for s in (k_scale, v_scale))
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.shape != cache.k_scale.shape:
+            raise ValueError(
+                f"{name} has shape {scale.shape}; the pool's is {cache.k_scale.shape} "
+                "[num_layers, num_kv_heads]"
+            )
+    return KVCache(cache.k, cache.v, k_scale, v_scale)
+
+
 def write_kv(
     cache: KVCache,
     layer: jax.Array | int,
@@ -105,8 +134,8 @@ def write_kv(
     slot = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
     block, offset = slot // cache.block_size, slot % cache.block_size
     if cache.k_scale is not None:
-        k = k.astype(jnp.float32) / cache.k_scale[layer][None, :, None]
-        v = v.astype(jnp.float32) / cache.v_scale[layer][None, :, None]
+        k = quantize(k, cache.k_scale[layer][None, :, None], cache.k.dtype)
+        v = quantize(v, cache.v_scale[layer][None, :, None], cache.v.dtype)
     # Advanced indices (block, offset) around the head slice put T first: updates are [T, H, D].
     new_k = cache.k.at[layer, :, block, offset].set(k.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[layer, :, block, offset].set(v.astype(cache.v.dtype), mode="drop")

@@ -6,9 +6,20 @@ the signature `models.llama` calls `attention_fn` with, so the engine swaps it i
 
 - the ragged kernel (`ragged_paged_attention.py`) for any batch of prefill chunks and decode
   tokens, and
-- the split-K decode kernel (`decode_attention.py`) when the batch is decode-only: forced with
-  decode_only=True (the caller knows it statically: best), or, with decode_only=None and a
-  bucket shaped T == S, chosen at run time by a `lax.cond` on max q_len <= 1.
+- the split-K decode kernel (`decode_attention.py`) when the batch is decode-only.
+
+Which one is static when the caller says so: decode_only=True (every q_len <= 1) runs the
+split-K kernel, decode_only=False the ragged one. The engine's model runner knows this on the
+host for each step and passes it (`PALLAS.has_decode_kernel`: the flag is part of its compile
+key), so no layer carries a conditional. decode_only=None, for callers that do not know (the
+plain drop-in), keeps a run-time choice on buckets shaped T == S: a `lax.cond` on
+max q_len <= 1 per call (on a GPU possibly a predicate read per layer); other shapes run the
+ragged kernel.
+
+The split-K grid's split dimension is a static bound from occupancy (`choose_num_splits`:
+S x Hkv x splits about two waves of SMs, capped by the table width); inside the kernel each
+sequence's actual length is cut into at most that many pieces of whole KV tiles, at least
+`DecodeConfig.min_tokens_per_split` positions each, and unused splits exit at once.
 
 Both kernels are Pallas on the Triton lowering; interpret=None interprets on CPU (the CI path)
 and compiles on GPU. The environment variable PAGEDJAX_PALLAS_INTERPRET=0/1 overrides that.
@@ -90,7 +101,9 @@ def paged_attention(
     meaning unlimited. `scale` and `soft_cap` are static Python floats. `k_scale`/`v_scale`
     dequantise an fp8 pool: None (the pool's own scales, or 1), a scalar (per tensor), [Hkv]
     (per head) or [L, Hkv]. `software_fp8`: upcast an fp8 pool with integer ops; None: on
-    GPUs without fp8 conversions (`gpu_lacks_fp8_conversions`).
+    GPUs without fp8 conversions (`gpu_lacks_fp8_conversions`). `decode_only`: True runs the
+    split-K kernel (the caller guarantees every q_len <= 1), False the ragged kernel, None
+    chooses at run time on T == S buckets (module docstring).
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
@@ -181,8 +194,10 @@ def _supports(spec: AttentionSpec) -> str | None:
 
 
 # The kernels compiled on a GPU and interpreted elsewhere (correct but slow: for tests). The
-# ragged kernel's grid and the split-K heuristic follow the block-table width.
-PALLAS = FunctionBackend("pallas", paged_attention, cost_follows_context=False, check=_supports)
+# ragged kernel's grid and the split-K grid bound follow the block-table width.
+PALLAS = FunctionBackend(
+    "pallas", paged_attention, cost_follows_context=False, check=_supports, has_decode_kernel=True
+)
 
 __all__ = [
     "INTERPRET_ENV",

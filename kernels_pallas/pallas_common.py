@@ -10,6 +10,8 @@ tile loop, the fp8 upcast, the per-layer scales and the launch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +92,12 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     )
 
 
+def clamp_index(index: jax.Array, size: int) -> jax.Array:
+    """`index` clamped into [0, size - 1]: a compiled kernel faults on an out-of-range load
+    (interpret mode clamps silently, so only this makes the two agree)."""
+    return jnp.minimum(jnp.maximum(index, 0), size - 1)
+
+
 def tile_pages(
     block_tables_ref: jax.Ref,  # [S, B'] int32, B' a whole number of tiles
     seq: jax.Array,  # [] int32
@@ -97,10 +105,15 @@ def tile_pages(
     *,
     kv_tile: int,
     block_size: int,
-) -> jax.Array:  # [KT] int32
-    """The physical page of each position of KV tile `tile` of sequence `seq`."""
+    num_blocks: int,  # N, the pool's pages
+) -> jax.Array:  # [KT] int32, each in [0, N)
+    """The physical page of each position of KV tile `tile` of sequence `seq`.
+
+    The page ids read are clamped: padding or garbage entries (at masked positions) then
+    read some page of the pool, never foreign memory. The table read itself stays in its
+    row because the callers' tiles end at the sequence's length, which fits the table."""
     key_pos = tile * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
-    return block_tables_ref[seq, lax.div(key_pos, block_size)]
+    return clamp_index(block_tables_ref[seq, lax.div(key_pos, block_size)], num_blocks)
 
 
 def fold_kv_tiles(
@@ -135,17 +148,26 @@ def fold_kv_tiles(
 
 def load_kv_tile(
     pool_ref: jax.Ref,  # [L, N, block_size, D] (this program's KV head)
-    layer: jax.Array,  # [] int32
-    pages: jax.Array,  # [KT] int32, physical page of each position in the tile
+    layer: jax.Array,  # [] int32, in [0, L)
+    pages: jax.Array,  # [KT] int32 in [0, N), physical page of each position in the tile
     offsets: jax.Array,  # [KT] int32, offset of each position inside its page
     out_dtype: jnp.dtype,
     software_fp8: bool = False,
-) -> jax.Array:  # [KT, D]
+    valid: jax.Array | None = None,  # [KT] bool: positions to read; None: all
+) -> jax.Array:  # [KT, D], exactly 0 in the rows of positions not `valid`
     """Gathers one KV tile through the block table; all-array indices keep it one gather in
-    both the Triton lowering and interpret mode (which cannot mix gathers with slices)."""
+    both the Triton lowering and interpret mode (which cannot mix gathers with slices).
+
+    With `valid` the load is masked: other positions are not read and come back 0."""
     head_dim = pool_ref.shape[-1]
     d = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
-    tile = pool_ref[layer, pages[:, None], offsets[:, None], d]
+    index = (layer, pages[:, None], offsets[:, None], d)
+    if valid is None:
+        tile = pool_ref[index]
+    else:
+        mask = jnp.broadcast_to(valid[:, None], (valid.shape[0], head_dim))
+        zero = jnp.zeros((), pool_ref.dtype)
+        tile = plgpu.load(pool_ref.at[index], mask=mask, other=zero)
     if software_fp8 and tile.dtype in FP8_DTYPES:
         tile = fp8_to_float32(tile)
     return tile.astype(out_dtype)
@@ -224,23 +246,38 @@ def attend_kv_tiles(
     layer: jax.Array,  # [] int32
     tiles: tuple[jax.Array, jax.Array],  # [start, stop) KV tiles of the sequence
     visible: Callable[[jax.Array], jax.Array],  # key positions [KT] -> [M, KT] bool
+    key_valid: Callable[[jax.Array], jax.Array],  # [KT] -> [KT] bool: seen by some row
     scale: jax.Array | float,  # softmax scale x K dequant scale
 ) -> SoftmaxState:  # float32, unnormalised; MASK_VALUE maxima where no key was visible
     """Online softmax of q's rows over KV tiles [start, stop) of sequence `seq`, inside a
-    kernel: each tile's pages come from the block table, K and V are gathered and upcast to
-    q's dtype, and scores outside `visible` are masked."""
+    kernel: each tile's pages come from the block table (clamped into the pool), K and V are
+    gathered (positions outside `key_valid` as exact zeros) and upcast to q's dtype, and
+    scores outside `visible` are masked. `key_valid` must cover every key `visible` shows."""
     rows, head_dim = q.shape
-    block_size, kv_tile = k_ref.shape[2], loop.kv_tile
+    num_layers, num_blocks, block_size, _ = k_ref.shape
+    kv_tile = loop.kv_tile
     tile_iota = lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
+    # A pool `launch` cut down to the step's layer has one layer: the clamp reads it at 0.
+    layer = clamp_index(layer, num_layers)
 
     def pages_of(tile):
-        return tile_pages(block_tables_ref, seq, tile, kv_tile=kv_tile, block_size=block_size)
+        return tile_pages(
+            block_tables_ref,
+            seq,
+            tile,
+            kv_tile=kv_tile,
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
 
     def step(tile, pages, softmax_state):
         key_pos = tile * kv_tile + tile_iota  # [KT]
         offsets = lax.rem(key_pos, block_size)
+        # Scores of masked keys are replaced whatever K holds there; V's rows are zeroed.
         k = load_kv_tile(k_ref, layer, pages, offsets, q.dtype, loop.software_fp8)
-        v = load_kv_tile(v_ref, layer, pages, offsets, q.dtype, loop.software_fp8)
+        v = load_kv_tile(
+            v_ref, layer, pages, offsets, q.dtype, loop.software_fp8, key_valid(key_pos)
+        )
         return online_softmax_step(
             q, k, v, visible(key_pos), softmax_state, scale=scale, soft_cap=loop.soft_cap
         )
@@ -254,6 +291,47 @@ def attend_kv_tiles(
     return fold_kv_tiles(start, stop, step, init, pages_of, prefetch_pages=loop.prefetch_pages)
 
 
+# jax's Triton lowering addresses an array with 64-bit element offsets only above this
+# many bytes (`_compute_offsets_from_indices`), with 32-bit ones below.
+TRITON_INT64_OFFSETS_ABOVE_BYTES = 2**32
+
+
+def int32_offsets_overflow(shape: Sequence[int], dtype: jnp.dtype) -> bool:
+    """Whether the Triton lowering would address an array of `shape` and `dtype` with 32-bit
+    element offsets that overflow: it picks the width from the bytes (64-bit above 4 GiB),
+    but a GEP sign-extends 32-bit offsets, so elements past 2**31 - 1 need 64 bits. Only
+    1-byte dtypes (fp8) of 2-4 GiB fall in between."""
+    size = math.prod(shape)
+    nbytes = size * jnp.dtype(dtype).itemsize
+    return nbytes <= TRITON_INT64_OFFSETS_ABOVE_BYTES and size > 2**31
+
+
+def addressable_pool(
+    pool: jax.Array,  # [L, Hkv, N, block_size, D]
+    layer: jax.Array,  # [] int32
+) -> jax.Array:  # [L, ...] or [1, ...]: the pool, or its layer `layer`
+    """The pool itself, unless the Triton lowering's offsets into it would overflow (an fp8
+    pool of 2-4 GiB): then a copy of `layer` alone, which the kernels read as layer 0 (they
+    clamp the layer into the pool they see). jax gives the kernel no way to ask for 64-bit
+    offsets, and a copy of one layer is correct where the whole pool would read foreign
+    memory; it costs a copy per call, so size fp8 pools outside 2-4 GiB."""
+    if not int32_offsets_overflow(pool.shape, pool.dtype):
+        return pool
+    layer_pool = lax.dynamic_index_in_dim(pool, jnp.reshape(layer, ()), 0, keepdims=True)
+    if int32_offsets_overflow(layer_pool.shape, layer_pool.dtype):
+        raise ValueError(
+            f"one layer of the {pool.dtype} pool {pool.shape} is 2-4 GiB, past the 32-bit "
+            "element offsets of jax's Triton lowering: use a smaller or a larger pool"
+        )
+    warnings.warn(
+        f"the {pool.dtype} pool {pool.shape} is 2-4 GiB: the Pallas kernels copy the step's "
+        "layer on every call to keep Triton's 32-bit offsets in range (size the pool below "
+        "2 GiB or above 4 GiB to avoid the copy)",
+        stacklevel=2,
+    )
+    return layer_pool
+
+
 def launch(
     kernel: Callable[..., None],
     metadata: Sequence[jax.Array],  # whole arrays: each program loads the scalars it needs
@@ -262,6 +340,7 @@ def launch(
     k_pool: jax.Array,  # [L, Hkv, N, block_size, D]
     v_pool: jax.Array,
     *,
+    layer: jax.Array,  # [] int32, the layer the kernel reads (see addressable_pool)
     grid: tuple[int, ...],  # axis 1 is the KV head
     out_specs: Any,
     out_shape: Any,
@@ -274,7 +353,9 @@ def launch(
     kernel on the Triton lowering; each program sees its KV head's slice of the pools.
 
     The Triton lowering has no scalar prefetch, so the metadata goes in as plain arrays. The
-    pools' BlockSpec squeezes the KV head: a pointer offset on Triton, no layer is copied."""
+    pools' BlockSpec squeezes the KV head: a pointer offset on Triton, no layer is copied
+    (unless the pool's offsets need it: `addressable_pool`)."""
+    k_pool, v_pool = addressable_pool(k_pool, layer), addressable_pool(v_pool, layer)
     num_layers, _, num_blocks, block_size, head_dim = k_pool.shape
     head_pool = pl.BlockSpec(
         (num_layers, None, num_blocks, block_size, head_dim), lambda *ids: (0, ids[1], 0, 0, 0)
@@ -296,11 +377,14 @@ __all__ = [
     "FP8_DTYPES",
     "KERNEL_STATIC_ARGS",
     "TileLoop",
+    "addressable_pool",
     "attend_kv_tiles",
+    "clamp_index",
     "dot_nn",
     "dot_nt",
     "fold_kv_tiles",
     "fp8_to_float32",
+    "int32_offsets_overflow",
     "int32_scalars",
     "kv_tile_tokens",
     "launch",

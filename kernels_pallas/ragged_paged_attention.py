@@ -145,10 +145,16 @@ def _ragged_kernel(
                 seen &= (window <= 0) | (key_pos[None, :] > row_pos[:, None] - window)
             return seen
 
+        def key_valid(key_pos):  # [KT] -> [KT]: the union of the block's rows' windows
+            seen = key_pos < kv_end
+            if use_window:
+                seen &= (window <= 0) | (key_pos > first_pos - window)
+            return seen
+
         q = q_ref[pl.ds(first_token * group_padded, rows), :]  # [M, D]
         tiles, scale = (tile_start, num_tiles), scales_ref[0, layer, head]
         acc, _, denom = pallas_common.attend_kv_tiles(
-            loop, q, k_ref, v_ref, block_tables_ref, seq, layer, tiles, visible, scale
+            loop, q, k_ref, v_ref, block_tables_ref, seq, layer, tiles, visible, key_valid, scale
         )
         v_scale = scales_ref[1, layer, head]
         out = acc * (v_scale / jnp.where(denom > 0, denom, 1.0))[:, None]
@@ -255,6 +261,7 @@ def ragged_paged_attention_kernel(
         head_rows,
         k_pool,
         v_pool,
+        layer=layer,
         grid=(work_seq.shape[0], num_kv_heads),
         out_specs=head_rows,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),

@@ -73,6 +73,8 @@ def ragged_paged_attention(
         window = jnp.asarray(sliding_window)
         visible &= (window <= 0) | (key_pos > q_pos[:, None] - window)
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    # Masked keys' probabilities are 0, but a stale page may hold NaN and 0 x NaN = NaN.
+    v = jnp.where(visible.reshape(num_tokens, -1, 1, block_size, 1), v, 0.0)
 
     probs = jax.nn.softmax(scores, axis=-1).reshape(num_tokens, num_kv_heads, group, -1, block_size)
     out = jnp.einsum("tkgbc,tbkcd->tkgd", probs, v)

@@ -106,6 +106,12 @@ def _online_softmax_step(state, scores, seen, axis):
     return m_new, alpha * total + jnp.sum(p, axis=axis, keepdims=True), alpha, p
 
 
+def _seen_rows(v: jax.Array, seen: jax.Array) -> jax.Array:
+    """v [..., chunk, D] with the rows of keys no query sees zeroed: their probabilities are
+    0, but a stale page may hold NaN, and 0 x NaN = NaN in p @ v."""
+    return jnp.where(seen, v, 0.0)
+
+
 def _normalized(total: jax.Array, acc: jax.Array) -> jax.Array:
     return jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
 
@@ -135,7 +141,7 @@ def _decode_tiles(step: _Step, out: jax.Array, decode_tile: int) -> jax.Array:
             scores = step.scores(k @ jnp.swapaxes(q_tile, -1, -2))  # [Gd, Hkv, chunk, g]
             seen = step.visible(seq_len - 1, seq_len, j)[:, None, :, None]
             m, total, alpha, p = _online_softmax_step(state, scores, seen, axis=2)
-            pv = jnp.swapaxes(p, -1, -2) @ v  # [Gd, Hkv, g, D]
+            pv = jnp.swapaxes(p, -1, -2) @ _seen_rows(v, seen)  # [Gd, Hkv, g, D]
             return m, total, alpha.transpose(0, 1, 3, 2) * state[2] + pv
 
         state = (
@@ -178,9 +184,9 @@ def _prefill_tiles(step: _Step, out: jax.Array, query_tile: int) -> jax.Array:
             k, v = step.chunk_pages(table, j)  # [Hkv, chunk, D]
             scores = q_rows @ jnp.swapaxes(k, -1, -2)  # [Hkv, g * Tq, chunk]
             scores = step.scores(scores.reshape(num_kv_heads, group, query_tile, step.chunk))
-            m, total, alpha, p = _online_softmax_step(
-                state, scores, step.visible(q_pos, seq_len, j), -1
-            )
+            seen = step.visible(q_pos, seq_len, j)  # [Tq, chunk]
+            m, total, alpha, p = _online_softmax_step(state, scores, seen, -1)
+            v = _seen_rows(v, jnp.any(seen, axis=0)[None, :, None])  # keys some query sees
             pv = p.reshape(num_kv_heads, group * query_tile, step.chunk) @ v
             return m, total, alpha * state[2] + pv.reshape(state[2].shape)
 

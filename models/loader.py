@@ -208,6 +208,18 @@ def read_hf_config(directory: Path) -> dict:
         raise ModelLoadError(f"cannot read {directory / 'config.json'}: {e}") from e
 
 
+def checkpoint_dtype(model: str | os.PathLike | None = None) -> str | None:
+    """The dtype a Hugging Face checkpoint was saved in (config.json's `dtype`, or
+    `torch_dtype` before transformers v5), e.g. "bfloat16"; None for a GGUF file, whose
+    weights mix float and block-quantized types."""
+    files = resolve_model_path(model)
+    if files.is_gguf:
+        return None
+    hf = read_hf_config(files.path)
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return name.removeprefix("torch.") if isinstance(name, str) else None
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: jnp.dtype = jnp.float32,

@@ -1,7 +1,9 @@
 """The attention backends the engine runs, by name: the one place a backend is registered.
 
 A backend implements `kernels_pallas.backend.AttentionBackend`. To add one, write it (with its
-tests) and add a line here; the platform's "auto" choice lives in `pagedjax/platforms/`.
+tests) and add a line here; the platform's "auto" choice lives in `pagedjax/platforms/`. One
+with a kernel of its own for decode-only steps sets `has_decode_kernel` (as "pallas" does):
+the model runner then passes it `decode_only=True/False` statically, one compiled step each.
 """
 
 from __future__ import annotations

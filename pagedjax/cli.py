@@ -19,12 +19,39 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, fp8, ...")
+    _add_kv_scale_args(parser)
+
+
+def _kv_cache_scales(text: str) -> float | str:
+    """--kv-cache-scales: a number, else a JSON file's path."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _add_kv_scale_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        default=None,
+        help="fp8 KV: compute per-layer, per-head scales from a calibration pass at start-up",
+    )
+    parser.add_argument(
+        "--kv-cache-scales",
+        type=_kv_cache_scales,
+        default=None,
+        help='fp8 KV scales: a number, or a JSON file {"k_scale": ..., "v_scale": ...}',
+    )
 
 
 def _make_llm(args: argparse.Namespace):
     from pagedjax.llm import LLM
 
-    return LLM(args.model, max_model_len=args.max_model_len)
+    names = ("kv_cache_dtype", "calculate_kv_scales", "kv_cache_scales")
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return LLM(args.model, max_model_len=args.max_model_len, **options)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -166,6 +193,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         dest="enable_prefix_caching",
         action="store_false",
         default=None,
+    )
+    _add_kv_scale_args(engine)
+    engine.add_argument(
+        "--no-attention-fallback",
+        dest="attention_fallback",
+        action="store_false",
+        default=None,
+        help="fail at start-up if the Pallas kernels fail, instead of running XLA's attention",
     )
     engine.add_argument(
         "--no-async-scheduling",

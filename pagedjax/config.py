@@ -10,6 +10,7 @@ from pagedjax.core.sched_policy import POLICIES
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp8")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class EngineConfig:
     block_size: int | None = None  # tokens per KV block; None: the platform's default
     num_kv_blocks: int | None = None  # explicit pool size (the null block included)
     # Pool budget when num_kv_blocks is not given. None: on a GPU, gpu_memory_utilization of
-    # device memory minus weights and the profiled activation peak; on the CPU, 1 GiB.
+    # the card's memory minus weights, the profiled activation peak and the sampler's
+    # reserve (capped by JAX's allocator); on the CPU, 1 GiB.
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 512  # token budget of one step
@@ -30,8 +32,19 @@ class EngineConfig:
     # XLA's loops where it does not apply); "reference": the per-token oracle; "pallas" on
     # the CPU runs the kernels in interpret mode (tests). See pagedjax/attention.py.
     attention_backend: str = "auto"
-    dtype: str = "float32"  # weights and activations
+    # "auto" (vLLM's default) with a Pallas failure at start-up (compile or first step): warn
+    # once and run the next backend of the platform's auto list (XLA); False: raise instead.
+    attention_fallback: bool = True
+    # Weights and activations. "auto": the platform's choice, decided once at start-up (the
+    # engine's config then holds it): on a GPU the checkpoint's dtype (bfloat16 for a GGUF),
+    # on the CPU float32.
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" follows dtype; "fp8" (e4m3) halves KV bytes vs bf16
+    # fp8 pools only: compute per-layer, per-KV-head scales from a calibration forward at
+    # start-up (vLLM's name), or give them: a number, or a JSON file's path holding
+    # {"k_scale": ..., "v_scale": ...} (see pagedjax/kv_scales.py). Neither: scales of 1.
+    calculate_kv_scales: bool = False
+    kv_cache_scales: float | str | None = None
     seed: int = 0  # seeds the draws of requests that give no seed
     # Queue order and preemption victims: "priority" (lower value first, then arrival) or
     # "fcfs" (arrival only), as in vLLM; policies live in pagedjax/core/sched_policy.py.
@@ -73,6 +86,10 @@ class EngineConfig:
             f"{self.attention_backend!r}",
         )
         check(
+            self.dtype in DTYPE_NAMES,
+            f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}",
+        )
+        check(
             self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtype!r}",
         )
@@ -89,3 +106,17 @@ class EngineConfig:
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1]: {self.gpu_memory_utilization}",
         )
+        scaled = self.calculate_kv_scales or self.kv_cache_scales is not None
+        check(
+            not scaled or self.kv_cache_dtype.startswith("fp8"),
+            "calculate_kv_scales and kv_cache_scales need an fp8 kv_cache_dtype, got "
+            f"{self.kv_cache_dtype!r}",
+        )
+        check(
+            not (self.calculate_kv_scales and self.kv_cache_scales is not None),
+            "give calculate_kv_scales or kv_cache_scales, not both",
+        )
+        if self.kv_cache_scales is not None:
+            from pagedjax.kv_scales import read_kv_scales  # imports JAX: only when needed
+
+            read_kv_scales(self.kv_cache_scales)  # ValueError on a bad number, file or scale

@@ -45,7 +45,10 @@ class LLMEngine:
         pool = ThreadPoolExecutor(1)
         pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
-        self.engine_core = EngineCore(config, Worker(config, platform, model_config, params))
+        worker = Worker(config, platform, model_config, params)
+        # The worker decides "auto" options once (the dtype): the engine's config holds them.
+        config = self.config = worker.config
+        self.engine_core = EngineCore(config, worker)
         self.model_config = self.engine_core.worker.model_config
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)

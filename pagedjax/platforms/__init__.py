@@ -2,9 +2,9 @@
 
 `current_platform()` looks at JAX's default backend once; the engine hands the `Platform` it
 returns to the worker, the model runner and the sampler, and nothing else asks which machine it
-runs on. A platform names the default block size, the attention backend that "auto" means,
-how weights are prepared (the CPU packs them for its C++ kernels), the KV budget, and the
-sampler's kernels.
+runs on. A platform names the default block size, the dtype that "auto" means, the attention
+backends that "auto" tries, how weights are prepared (the CPU packs them for its C++ kernels),
+the KV budget, and the sampler's kernels.
 """
 
 from __future__ import annotations
@@ -37,20 +37,38 @@ class Platform:
     default_block_size: int
     auto_attention: tuple[str, ...]  # backends "auto" tries, in order
     sampling: SamplingKernels
+    # Whether the worker runs a first step at start-up to check that the attention backend
+    # compiles and runs: a GPU's Pallas kernels can fail to for a device or a JAX version.
+    probes_attention: bool = False
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> str:
+        """The weights' and activations' dtype name for `requested` ("auto": float32, which
+        the CPU's kernels multiply fastest and the tests compare exactly)."""
+        return "float32" if requested == "auto" else requested
 
     def attention_backend(self, requested: str, spec: AttentionSpec) -> AttentionBackend:
         """The backend for `requested` ("auto": the first of `auto_attention` that runs
         `spec`); raises ValueError saying why when the requested one cannot."""
+        return self.attention_backends(requested, spec)[0]
+
+    def attention_backends(
+        self, requested: str, spec: AttentionSpec
+    ) -> tuple[AttentionBackend, ...]:
+        """The backends that can run `spec`, in the order to try them: `requested` alone, or
+        for "auto" those of `auto_attention` that can; raises ValueError saying why if none."""
         names = self.auto_attention if requested == "auto" else (requested,)
-        reasons = []
+        backends, reasons = [], []
         for name in names:
             backend = get_backend(name)
             reason = backend.supports(spec)
             if reason is None and backend.kv_layout != KV_LAYOUT:
                 reason = f"it reads a {backend.kv_layout} pool; the engine allocates {KV_LAYOUT}"
             if reason is None:
-                return backend
-            reasons.append(f"{name}: {reason}")
+                backends.append(backend)
+            else:
+                reasons.append(f"{name}: {reason}")
+        if backends:
+            return tuple(backends)
         raise ValueError(
             f"attention_backend={requested!r} cannot run this model on {self.name} "
             f"({'; '.join(reasons)}); choose another attention_backend"
@@ -64,7 +82,9 @@ class Platform:
         """The params in the layout this platform's kernels run fastest."""
         return params
 
-    def kv_budget_bytes(self, config: EngineConfig, activation_peak: Callable[[], int]) -> int:
+    def kv_budget_bytes(
+        self, config: EngineConfig, activation_peak: Callable[[], int], vocab_size: int
+    ) -> int:
         """Bytes for the KV pool when the config gives neither blocks nor bytes."""
         return DEFAULT_KV_BYTES
 

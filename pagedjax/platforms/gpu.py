@@ -1,4 +1,5 @@
-"""A CUDA GPU: the Pallas kernels, XLA's sampler, and a KV budget from the device's memory.
+"""A CUDA GPU: the Pallas kernels (XLA's attention as the fallback), XLA's sampler, the
+checkpoint's dtype, and a KV budget from the card's memory.
 
 Blocks are 16 tokens, vLLM's default: a decode page of 16 x 128 bf16 is one 4 KiB burst.
 """
@@ -6,16 +7,29 @@ Blocks are 16 tokens, vLLM's default: a decode page of 16 x 128 bf16 is one 4 Ki
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
 
+from kernels_pallas.metadata import next_power_of_2
 from pagedjax.config import EngineConfig
 from pagedjax.platforms import DEFAULT_KV_BYTES, Platform
+from pagedjax.platforms.memory import allocator_fraction, gpu_kv_budget, sampler_reserve_bytes
 from pagedjax.sampler import XLA_SAMPLING, SamplingKernels
 
 logger = logging.getLogger(__name__)
+
+# The dtypes "auto" keeps when the checkpoint names one; anything else (a GGUF's mixed or
+# block-quantized weights, an unknown name) runs in bfloat16, the GPU's fast 16-bit type.
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+GPU_AUTO_DTYPE = "bfloat16"
+
+
+def device_memory_stats() -> Mapping[str, int] | None:
+    """The first device's allocator statistics (None where the allocator keeps none)."""
+    return jax.devices()[0].memory_stats()
 
 
 @dataclass(frozen=True)
@@ -24,22 +38,32 @@ class GpuPlatform(Platform):
     default_block_size: int = 16
     auto_attention: tuple[str, ...] = ("pallas", "xla")
     sampling: SamplingKernels = XLA_SAMPLING
+    probes_attention: bool = True
+    # Where the allocator's numbers come from (tests inject fakes).
+    memory_stats: Callable[[], Mapping[str, int] | None] = device_memory_stats
 
-    def kv_budget_bytes(self, config: EngineConfig, activation_peak: Callable[[], int]) -> int:
-        """gpu_memory_utilization of the device's memory, less what is in use (the weights)
-        and the forward's activation peak."""
-        stats = jax.devices()[0].memory_stats()
-        if not stats:
+    def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> str:
+        """For "auto" the checkpoint's dtype (bfloat16 for most Hugging Face checkpoints),
+        else bfloat16 (a GGUF's weights); an explicit dtype as given."""
+        if requested != "auto":
+            return requested
+        return checkpoint_dtype if checkpoint_dtype in CHECKPOINT_DTYPES else GPU_AUTO_DTYPE
+
+    def kv_budget_bytes(
+        self, config: EngineConfig, activation_peak: Callable[[], int], vocab_size: int
+    ) -> int:
+        """gpu_memory_utilization of the card's memory (capped by what JAX's allocator may
+        hand out), less what is in use (the weights), the forward's activation peak and the
+        sampler's working memory."""
+        stats = self.memory_stats()
+        if not stats or "bytes_limit" not in stats:
             return DEFAULT_KV_BYTES
-        peak = activation_peak()
-        usable = config.gpu_memory_utilization * stats["bytes_limit"]
-        budget = int(usable - stats["bytes_in_use"] - peak)
-        logger.info(
-            "KV budget %.2f GiB = %.0f%% of %.2f GiB - %.2f GiB in use - %.2f GiB activations",
-            budget / 2**30,
-            100 * config.gpu_memory_utilization,
-            stats["bytes_limit"] / 2**30,
-            stats["bytes_in_use"] / 2**30,
-            peak / 2**30,
+        budget = gpu_kv_budget(
+            stats,
+            config.gpu_memory_utilization,
+            allocator_fraction(os.environ),
+            activation_peak(),
+            sampler_reserve_bytes(next_power_of_2(config.max_num_seqs), vocab_size),
         )
-        return max(budget, 0)
+        logger.info("%s", budget.describe())
+        return budget.kv_bytes

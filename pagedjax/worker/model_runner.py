@@ -4,9 +4,10 @@ Every jitted call sees one of a few shapes: tokens padded to a bucket T, sequenc
 S = min(T, max_num_seqs rounded up), sample rows to S, block copies to 0 or a power of two.
 The block-table width is max_model_len's for a backend whose cost follows each sequence's
 real context; for the others it is a power-of-two bucket B that follows the longest context
-in the step. Host buffers are preallocated numpy arrays filled in place; the KV pool is
-donated, so it is updated in place. Only sampled token ids (and requested logprobs) come back
-to the host.
+in the step. For a backend with a decode kernel, whether every sequence has one new token is
+a static flag of the step too (no per-layer conditional on the device). Host buffers are
+preallocated numpy arrays filled in place; the KV pool is donated, so it is updated in
+place. Only sampled token ids (and requested logprobs) come back to the host.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.backend import AttentionBackend
-from kernels_pallas.kv_cache import NULL_BLOCK, PAD_SLOT, allocate_kv_cache, copy_blocks
+from kernels_pallas.kv_cache import (
+    NULL_BLOCK,
+    PAD_SLOT,
+    allocate_kv_cache,
+    copy_blocks,
+    with_scales,
+)
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from models.config import ModelConfig
 from models.llama import Params, forward_logits
@@ -90,7 +97,11 @@ def activation_bytes(
 
 
 # Module-level, so engines over the same model and shapes share its compilations.
-@partial(jax.jit, static_argnames=("config", "attention_fn"), donate_argnames=("kv_cache",))
+@partial(
+    jax.jit,
+    static_argnames=("config", "attention_fn", "decode_only"),
+    donate_argnames=("kv_cache",),
+)
 def _forward_step(
     params,
     token_ids,  # [T] int32
@@ -103,7 +114,10 @@ def _forward_step(
     copies,
     config,
     attention_fn,
+    decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
 ):
+    if decode_only is not None:
+        attention_fn = partial(attention_fn, decode_only=decode_only)
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
     token_ids = jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
@@ -166,8 +180,12 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.block_size = block_size = config.block_size
         self.kv_cache = allocate_kv_cache(kv_spec, num_blocks, block_size)
+        self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
         self.token_buckets = token_buckets(config.max_num_batched_tokens)
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
+        self.max_num_seqs = config.max_num_seqs
+        # Only then is decode-only a static flag of the step, and a key of its compilations.
+        self.has_decode_kernel = bool(getattr(attention, "has_decode_kernel", False))
         self.max_blocks_per_seq = -(-config.max_model_len // block_size)
         if attention.cost_follows_context:
             self.width_buckets = [self.max_blocks_per_seq]
@@ -187,7 +205,17 @@ class ModelRunner:
         self._no_previous = jnp.zeros(max_seqs, jnp.int32)
 
     def _forward(
-        self, params, token_ids, positions, kv_cache, metadata, rows, copies, sources, previous
+        self,
+        params,
+        token_ids,
+        positions,
+        kv_cache,
+        metadata,
+        rows,
+        copies,
+        sources,
+        previous,
+        decode_only: bool | None = None,
     ):
         cached = _forward_step._cache_size()  # the shared step's compiled shapes so far
         out = _forward_step(
@@ -202,6 +230,7 @@ class ModelRunner:
             copies,
             config=self.model_config,
             attention_fn=self.attention,
+            decode_only=decode_only,
         )
         self.num_compilations += _forward_step._cache_size() - cached
         return out
@@ -214,6 +243,22 @@ class ModelRunner:
 
     def _bucket_width(self, num_blocks: int) -> int:
         return next(w for w in self.width_buckets if num_blocks <= w)
+
+    def _decode_only(self, seqs: Sequence[ScheduledSequence]) -> bool | None:
+        """The step's static attention flag: True when every sequence has one new token (the
+        backend's decode kernel then runs), False otherwise; None for backends without one."""
+        if not self.has_decode_kernel:
+            return None
+        return all(len(s.token_ids) <= 1 for s in seqs)
+
+    def _step_variants(self, t_pad: int) -> list[bool | None]:
+        """The decode_only flags a step of bucket t_pad can take, one compilation each: True if
+        the bucket's fewest tokens fit one per sequence, False if it can hold a 2-token chunk."""
+        if not self.has_decode_kernel:
+            return [None]
+        fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
+        variants = [True] if fewest <= self.max_num_seqs else []
+        return variants + ([False] if t_pad > 1 else [])
 
     def prepare(
         self,
@@ -341,6 +386,7 @@ class ModelRunner:
             copies,
             sources,
             sampled,
+            decode_only=self._decode_only(seqs),
         )
         prompt = None
         if prompt_rows:
@@ -388,17 +434,30 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool, when a failed step left the donated one unusable."""
         self.kv_cache = allocate_kv_cache(self.kv_spec, self.kv_cache.num_blocks, self.block_size)
+        if self.kv_scales is not None:
+            self.kv_cache = with_scales(self.kv_cache, *self.kv_scales)
+
+    def set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
+        """Sets the fp8 pool's [num_layers, num_kv_heads] scales (kept on the host too, so a
+        reset pool gets them back); ValueError for a pool without scales or a wrong shape."""
+        self.kv_cache = with_scales(self.kv_cache, k_scale, v_scale)
+        self.kv_scales = (np.array(k_scale, np.float32), np.array(v_scale, np.float32))
 
     def kv_cache_lost(self) -> bool:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
-    def warmup(self) -> float:
-        """Compiles the forward for every token and width bucket, and the greedy sampler for
-        every row bucket; returns the seconds spent."""
+    def warmup(self, probe: bool = False) -> float:
+        """Compiles the forward for every token and width bucket (and decode_only variant a
+        step of the bucket can take), and the greedy sampler for every row bucket; returns the
+        seconds spent. `probe`: only the smallest and the largest token bucket at the smallest
+        width, so that an attention backend that cannot compile or run fails at start-up."""
         start = time.perf_counter()
-        for t_pad in self.token_buckets:
+        token_buckets = self.token_buckets
+        if probe:
+            token_buckets = sorted({token_buckets[0], token_buckets[-1]})
+        for t_pad in token_buckets:
             s_pad = min(t_pad, self.max_seqs_bucket)
-            for width in self.width_buckets:
+            for width in self.width_buckets[:1] if probe else self.width_buckets:
                 metadata = AttentionMetadata(  # all padding: writes nothing, reads masked
                     slot_mapping=np.full(t_pad, PAD_SLOT, np.int32),
                     block_tables=np.full((s_pad, width), NULL_BLOCK, np.int32),
@@ -408,17 +467,19 @@ class ModelRunner:
                     num_tokens=np.int32(0),
                 )
                 zeros = np.zeros(t_pad, np.int32)
-                logits, self.kv_cache = self._forward(
-                    self.params,
-                    zeros,
-                    zeros,
-                    self.kv_cache,
-                    metadata,
-                    np.zeros(s_pad, np.int32),
-                    np.zeros((0, 2), np.int32),
-                    np.full(t_pad, -1, np.int32),
-                    self._no_previous,
-                )
+                for decode_only in self._step_variants(t_pad):
+                    logits, self.kv_cache = self._forward(
+                        self.params,
+                        zeros,
+                        zeros,
+                        self.kv_cache,
+                        metadata,
+                        np.zeros(s_pad, np.int32),
+                        np.zeros((0, 2), np.int32),
+                        np.full(t_pad, -1, np.int32),
+                        self._no_previous,
+                        decode_only=decode_only,
+                    )
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
             sample(

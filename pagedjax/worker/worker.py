@@ -8,21 +8,64 @@ runs the steps.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kernels_pallas.backend import AttentionSpec
+from kernels_pallas.backend import AttentionBackend, AttentionSpec
 from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
-from models.loader import load_model
+from models.loader import checkpoint_dtype, load_model, load_tokenizer
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import SchedulerOutput
+from pagedjax.kv_scales import calibrate_kv_scales, calibration_prompts, describe, load_kv_scales
 from pagedjax.platforms import Platform
 from pagedjax.worker.model_runner import ModelRunner, StepHandle, activation_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class AttentionBackendError(RuntimeError):
+    """The attention backend failed to compile or run the engine's first step at start-up."""
+
+
+class _BackendFailure(Exception):
+    """Internal: what the attention backend raised while compiling or running a step."""
+
+    def __init__(self, error: Exception):
+        super().__init__(error)
+        self.error = error
+
+
+def resolve_dtype(config: EngineConfig, platform: Platform, params: Params | None) -> str:
+    """The platform's dtype name for `config.dtype`, from the checkpoint's dtype (or the given
+    params') when "auto"; logged, as it decides the weights', the activations' and the
+    pool's bytes."""
+    checkpoint = None
+    if config.dtype == "auto":
+        checkpoint = checkpoint_dtype(config.model) if params is None else _params_dtype(params)
+    dtype = platform.resolve_dtype(config.dtype, checkpoint)
+    logger.info(
+        "dtype %s (asked %r on %s; checkpoint %s)", dtype, config.dtype, platform.name, checkpoint
+    )
+    return dtype
+
+
+def _params_dtype(params: Params) -> str:
+    return jnp.dtype(params["final_norm"].dtype).name
+
+
+def _summary(error: Exception) -> str:
+    """The error's type, first and last lines: Pallas, Triton and XLA errors run to pages
+    (a compiler's summary comes first, a runtime error's cause last)."""
+    lines = [line.strip()[:200] for line in str(error).splitlines() if line.strip()]
+    text = " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+    return f"{type(error).__name__}: {text}"
 
 
 class Worker:
@@ -35,9 +78,11 @@ class Worker:
         model_config: ModelConfig | None = None,
         params: Params | None = None,
     ):
+        given = model_config is not None and params is not None
+        config = replace(config, dtype=resolve_dtype(config, platform, params if given else None))
         self.config, self.platform = config, platform
         dtype = jnp.dtype(config.dtype)
-        if model_config is None or params is None:
+        if not given:
             keep_blocks = platform.keeps_quantized_weights(dtype)
             model_config, params = load_model(config.model, dtype, keep_blocks=keep_blocks)
         self.model_config = model_config
@@ -47,7 +92,13 @@ class Worker:
         self.kv_spec = KVCacheSpec(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
         )
-        self.attention = platform.attention_backend(
+        # Given scales are checked against the model's shape before anything is allocated.
+        kv_scales = None
+        if config.kv_cache_scales is not None:
+            kv_scales = load_kv_scales(
+                config.kv_cache_scales, model_config.num_layers, model_config.num_kv_heads
+            )
+        backends = platform.attention_backends(
             config.attention_backend,
             AttentionSpec(
                 model_config.num_heads,
@@ -57,15 +108,106 @@ class Worker:
                 config.block_size,
             ),
         )
-        self.num_blocks = self.determine_num_blocks()
-        self.runner = ModelRunner(
-            config,
-            model_config,
+        self._start(backends)
+        if config.calculate_kv_scales:
+            kv_scales = self.calibrate_kv_scales()
+        if kv_scales is not None:
+            self.runner.set_kv_scales(*kv_scales)
+            how = "calibrated" if config.calculate_kv_scales else "given"
+            logger.info("fp8 KV scales (%s): %s", how, describe(*kv_scales))
+
+    def _start(self, backends: Sequence[AttentionBackend]) -> None:
+        """Sizes the pool and builds the runner on the first of `backends` that compiles and
+        (where the platform probes) runs a first step. With attention_backend "auto" and
+        attention_fallback, a failure is one warning and the next backend is tried; otherwise,
+        or when none is left, it raises AttentionBackendError."""
+        config = self.config
+        alternatives = len(backends) > 1
+        if config.attention_backend != "auto" or not config.attention_fallback:
+            backends = backends[:1]
+        for index, backend in enumerate(backends):
+            self.attention = backend
+            try:
+                self.num_blocks = self.determine_num_blocks()
+                self.runner = ModelRunner(
+                    config,
+                    self.model_config,
+                    self.params,
+                    self.kv_spec,
+                    self.num_blocks,
+                    self.attention,
+                    self.platform.sampling,
+                )
+                if self.platform.probes_attention:
+                    self._probe()
+                return
+            except _BackendFailure as failure:
+                error = failure.error
+            self._drop_runner()
+            if index + 1 == len(backends):
+                raise AttentionBackendError(self._failure_message(error, alternatives)) from error
+            logger.warning(
+                "attention backend %r failed at start-up (%s); running on %r instead "
+                "(attention_fallback=False raises)",
+                backend.name,
+                _summary(error),
+                backends[index + 1].name,
+            )
+            logger.debug("the %r backend's failure", backend.name, exc_info=error)
+
+    def _probe(self) -> None:
+        """Compiles and runs the smallest and the largest step shape, and waits for them."""
+        try:
+            self.runner.warmup(probe=True)
+        except Exception as error:
+            raise _BackendFailure(error) from error
+
+    def _drop_runner(self) -> None:
+        """Frees a failed runner's pool now (a failed call may have consumed it, or not), so
+        that the next backend's pool does not sit beside it."""
+        runner = self.__dict__.pop("runner", None)
+        if runner is not None:
+            for leaf in jax.tree.leaves(runner.kv_cache):
+                if not leaf.is_deleted():
+                    leaf.delete()
+
+    def _failure_message(self, error: Exception, alternatives: bool) -> str:
+        config, name = self.config, self.attention.name
+        if config.attention_backend != "auto":
+            hint = 'choose another attention_backend ("xla" runs everywhere)'
+        elif not config.attention_fallback and alternatives:
+            hint = "attention_fallback=True runs the next backend instead"
+        else:
+            hint = "no other attention backend can run this model here"
+        return f"attention backend {name!r} failed at start-up ({_summary(error)}); {hint}"
+
+    def calibrate_kv_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pool's scales from a prefill of the built-in calibration texts (tokenized with
+        the model's tokenizer) into a temporary pool in the model's dtype."""
+        config, model_config = self.config, self.model_config
+        dtype = jnp.dtype(config.dtype)
+        spec = AttentionSpec(
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype.name,
+            config.block_size,
+        )
+        # The backend that started (it ran a step) if it reads the temporary pool's dtype.
+        attention = self.attention
+        if attention.supports(spec) is not None:
+            attention = self.platform.attention_backend(config.attention_backend, spec)
+        prompts = calibration_prompts(
+            load_tokenizer(config.model), config.max_num_batched_tokens, config.max_model_len
+        )
+        return calibrate_kv_scales(
             self.params,
-            self.kv_spec,
-            self.num_blocks,
-            self.attention,
-            platform.sampling,
+            model_config,
+            prompts,
+            attention,
+            self.kv_spec.dtype,
+            dtype,
+            config.block_size,
         )
 
     def determine_num_blocks(self) -> int:
@@ -76,7 +218,9 @@ class Worker:
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes
             if budget is None:
-                budget = self.platform.kv_budget_bytes(config, self._activation_peak)
+                budget = self.platform.kv_budget_bytes(
+                    config, self._activation_peak, self.model_config.vocab_size
+                )
             num_blocks = self.kv_spec.num_blocks_for_budget(budget, config.block_size)
         usable, block_size = num_blocks - 1, config.block_size  # block 0 is the null block
         tokens = usable * block_size
@@ -97,15 +241,20 @@ class Worker:
         return num_blocks
 
     def _activation_peak(self) -> int:
+        """The forward's compiled temporaries; the first compile of the attention backend
+        when the pool is sized from memory, so a failure is the backend's (`_start`)."""
         config = self.config
-        return activation_bytes(
-            self.model_config,
-            self.params,
-            config.max_num_batched_tokens,
-            -(-config.max_model_len // config.block_size),
-            self.attention,
-            self.kv_spec,
-        )
+        try:
+            return activation_bytes(
+                self.model_config,
+                self.params,
+                config.max_num_batched_tokens,
+                -(-config.max_model_len // config.block_size),
+                self.attention,
+                self.kv_spec,
+            )
+        except Exception as error:
+            raise _BackendFailure(error) from error
 
     def execute_model(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are

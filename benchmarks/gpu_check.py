@@ -1,0 +1,612 @@
+"""One prepared GPU check, safe to run blind: five stages, each in its own subprocesses with its
+own time budget, so a hang or a CUDA fault is killed, reported, and the next stage still runs.
+
+    python benchmarks/gpu_check.py --out DIR [--cpu] [--only smoke,bench]
+
+1. env           versions (python, jax, jaxlib, the jax CUDA plugin, triton, torch, transformers,
+                 numpy), nvidia-smi and jax.devices()                         -> env.txt
+2. smoke         each kernel case compiled (interpret=False) in its own process against the
+                 float32 oracle (tests/attention_cases.py tolerances), run twice (a moving result
+                 is a race): PASS / FAIL / TIMEOUT / CRASH(signal), max error   -> smoke.json
+3. kernel_tests  tests/test_pallas_kernels.py compiled, per-test and overall timeouts
+                                                              -> kernel_tests.log, kernel_tests.xml
+4. bench         benchmarks/kernels.py --quick --large-pool: our kernels vs JAX's bundled Pallas
+                 paged attention, KV GB/s against a measured copy bandwidth -> bench.log, bench.json
+5. engine        a tiny random Llama (transformers, saved locally) through the engine with the
+                 Pallas backend, greedy tokens against transformers' own    -> engine.json
+The PASS/FAIL and GB/s table is printed last and written to summary.txt (8 files in all).
+`--cpu`: the same script on the CPU (interpret mode, tiny sizes) so it cannot rot (CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
+STAGES = ["env", "smoke", "kernel_tests", "bench", "engine"]
+# Seconds per stage (--budget STAGE=SECONDS changes one). GPU: 455 in all, plus 20 s of slack
+# for the driver: under the 8 minutes one device call is planned for.
+BUDGETS = {
+    "gpu": dict(env=20, smoke=75, kernel_tests=135, bench=150, engine=75),
+    "cpu": dict(env=60, smoke=240, kernel_tests=180, bench=180, engine=240),
+}
+SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
+SMOKE_JOBS = {"gpu": 4, "cpu": 2}  # smoke processes at once (no preallocation: they share the GPU)
+# name: kernel, KV pool dtype, head_dim, KV heads, query heads per KV head, sequence mix
+SMOKE_CASES = {
+    "ragged-f32-d64-gqa2": ("ragged", "float32", 64, 2, 2, "mixed"),
+    "ragged-bf16-d64-gqa3": ("ragged", "bfloat16", 64, 3, 3, "mixed"),
+    "ragged-bf16-d128-gqa4": ("ragged", "bfloat16", 128, 8, 4, "mixed"),
+    "ragged-fp8-d128-gqa4": ("ragged", "float8_e4m3fn", 128, 8, 4, "mixed"),
+    "decode-f32-d64-gqa2": ("decode", "float32", 64, 2, 2, "many"),
+    "decode-bf16-d64-gqa3-splitk": ("decode", "bfloat16", 64, 3, 3, "long"),
+    "decode-bf16-d128-gqa4": ("decode", "bfloat16", 128, 8, 4, "many"),
+    "decode-fp8-d128-gqa4": ("decode", "float8_e4m3fn", 128, 8, 4, "many"),
+}
+# (q_len, context) per sequence; "long" has few long sequences, so split-K uses several splits.
+SEQS = {
+    "gpu": {
+        "mixed": [(1, 1024), (100, 100), (64, 700), (1, 1), (17, 333), (1, 517), (128, 900)],
+        "many": [(1, c) for c in [1, 2048, 17, 1000, 64, 1500] * 8],
+        "long": [(1, 8000), (1, 3000), (1, 1), (1, 300)],
+    },
+    "cpu": {
+        "mixed": [(7, 7), (1, 40), (20, 45), (1, 1), (3, 70), (1, 9)],
+        "many": [(1, 200), (1, 1), (1, 37), (1, 129), (1, 64)],
+        "long": [(1, 600), (1, 1)],
+    },
+}
+# The issue's bench targets, on decode at 64 sequences x 2k context, bf16 (tiny on the CPU).
+TARGET_CASE = {"gpu": "decode_64x2k", "cpu": "decode_2x256"}
+TARGET_COPY_FRACTION, TARGET_SPEEDUP = 0.80, 1.5
+# Our kernels' largest error against the XLA reference in the benchmark's cases (bf16 and fp8
+# outputs near 1: about 4e-3 when right, order 1 when pages are misread).
+BENCH_MAX_ERROR = 0.1
+
+
+# --- children: each runs in its own process and prints MARK + json last -------------------------
+
+
+def probe() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import jaxlib
+
+    device = jax.devices()[0]
+    return dict(
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        backend=jax.default_backend(),
+        devices=[repr(d) for d in jax.devices()],
+        device_kind=device.device_kind,
+        compute_capability=getattr(device, "compute_capability", None),
+        core_count=getattr(device, "core_count", None),
+        sum_of_ones=float(jnp.ones(1024).sum()),  # the device computes
+    )
+
+
+def smoke_case(name: str, mode: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from attention_cases import TOLERANCE, expected, make_case, quantize_fp8
+
+    from kernels_pallas.decode_attention import choose_num_splits
+    from kernels_pallas.paged_attention import paged_attention, resolve_interpret
+
+    kernel, dtype_name, head_dim, kv_heads, group, mix = SMOKE_CASES[name]
+    dtypes = {jnp.dtype(t).name: t for t in TOLERANCE}
+    kv_dtype, fp8 = dtypes[dtype_name], dtype_name.startswith("float8")
+    atol, rtol = TOLERANCE[kv_dtype]
+    seqs, block_size = SEQS[mode][mix], 16
+    q, cache, metadata = make_case(
+        7, seqs, block_size=block_size, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+        kv_dtype=jnp.float32 if fp8 else kv_dtype, num_seqs_padded=len(seqs) + 2,
+        num_tokens_padded=sum(q for q, _ in seqs) + 5,
+    )  # fmt: skip
+    scale, scales = head_dim**-0.5, {}
+    if fp8:  # per-KV-head scales, as the engine's fp8 pools carry
+        rng = np.random.default_rng(8)
+        draw = lambda: jnp.asarray(rng.uniform(0.5, 2, kv_heads), jnp.float32)
+        scales = {"k_scale": draw(), "v_scale": draw()}
+        cache = quantize_fp8(cache, scales["k_scale"], scales["v_scale"])
+        q = q.astype(jnp.bfloat16)
+    decode_only = kernel == "decode"
+    fn = jax.jit(
+        lambda q, c, m, s: paged_attention(q, c, 1, m, scale=scale, decode_only=decode_only, **s)
+    )
+    start = time.perf_counter()
+    out = np.asarray(fn(q, cache, metadata, scales).astype(jnp.float32))
+    first_call_s = time.perf_counter() - start
+    again = np.asarray(fn(q, cache, metadata, scales).astype(jnp.float32))
+    want = expected(q, cache, 1, metadata, scale=scale, **scales)
+    real = int(metadata.query_start_loc[-1])
+    error = np.abs(out[:real] - want[:real])
+    rel = float(np.linalg.norm(out[:real] - want[:real]) / np.linalg.norm(want[:real]))
+    checks = {
+        "compiled": mode == "cpu" or (not resolve_interpret() and jax.default_backend() == "gpu"),
+        "within_tolerance": bool(np.allclose(out[:real], want[:real], atol=atol, rtol=rtol)),
+        "finite": bool(np.isfinite(out).all()),
+        "padding_zero": bool((out[real:] == 0).all()),
+        "repeatable": bool(np.array_equal(out, again, equal_nan=True)),
+    }
+    result = dict(
+        status="PASS" if all(checks.values()) else "FAIL",
+        checks=checks,
+        max_abs_error=float(error.max()),
+        rel_l2_error=rel,
+        tolerance=dict(atol=atol, rtol=rtol),
+        interpret=resolve_interpret(),
+        backend=jax.default_backend(),
+        tokens=real,
+        seqs=len(seqs),
+        first_call_s=round(first_call_s, 2),
+    )
+    if decode_only:
+        width = metadata.block_tables.shape[1] * block_size
+        result["num_splits"] = choose_num_splits(len(seqs) + 2, kv_heads, width)
+    return result
+
+
+def engine_run(mode: str) -> dict:
+    """A tiny random Llama through the engine (Pallas backend) against transformers' greedy."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from tests.conftest import build_tiny_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # as tests/conftest.py: random norms too, weights large enough to matter
+        for param_name, p in model.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_(1.0 + 0.2 * noise if "norm" in param_name else 0.15 * noise)
+    path = Path(tempfile.mkdtemp(prefix="gpu_check_llama_"))  # under the driver's scratch
+    model.save_pretrained(path, safe_serialization=True)
+    build_tiny_tokenizer(128).save_pretrained(path)
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (5, 23, 47, 64)]
+    max_tokens = 16 if mode == "gpu" else 6
+    want, margins = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, gaps = list(prompt), []
+            for _ in range(max_tokens):
+                top2 = model(torch.tensor([ids])).logits[0, -1].topk(2)
+                ids.append(int(top2.indices[0]))
+                gaps.append(float(top2.values[0] - top2.values[1]))
+            want.append(ids[len(prompt) :])
+            margins.append(gaps)
+
+    import jax
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        str(path), attention_backend="pallas", max_model_len=128, num_kv_blocks=64,
+        max_num_seqs=8, max_num_batched_tokens=32,  # chunked prefills beside decode tokens
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    seconds = time.perf_counter() - start
+    mismatches = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if list(g) != w:
+            diffs = [j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b]
+            at = diffs[0] if diffs else min(len(g), len(w))
+            gap = margins[i][at] if at < len(margins[i]) else None
+            mismatches.append(dict(prompt=i, first_diff=at, hf_top2_logit_gap=gap))
+    worker = llm.llm_engine.engine_core.worker
+    attention = worker.attention.name
+    return dict(
+        status="PASS" if not mismatches and attention == "pallas" else "FAIL",
+        attention_backend=attention,
+        backend=jax.default_backend(),
+        prompts=len(prompts),
+        prompt_lens=[len(p) for p in prompts],
+        max_tokens=max_tokens,
+        token_identical=not mismatches,
+        mismatches=mismatches,
+        engine_s=round(seconds, 2),
+        compilations=getattr(getattr(worker, "runner", None), "num_compilations", None),
+    )
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+
+RUNNING: set[int] = set()  # process groups of the children running now
+
+
+def stop_children(signum: int, _frame: object) -> None:
+    """The driver is stopped (e.g. its caller's timeout): take the children with it."""
+    for group in list(RUNNING):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    print(f"gpu_check: stopped by {signal.Signals(signum).name}", flush=True)
+    os._exit(128 + signum)  # now: no waiting for the stage's other threads
+
+
+def run_child(cmd: list[str], limit: float, log: Path, env: dict) -> tuple[str, int | None, float]:
+    """Runs cmd in its own process group (same session: a caller that ends the session ends it
+    too), output to log; kills the group at the limit.
+    Returns (PASS|FAIL|TIMEOUT|CRASH(SIG...), return code, seconds)."""
+    start = time.perf_counter()
+    # Python 3.10 lacks process_group (and preexec_fn is unsafe beside the smoke threads).
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, **group
+        )
+        RUNNING.add(proc.pid)
+        try:
+            rc = proc.wait(timeout=max(limit, 1))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "TIMEOUT", None, time.perf_counter() - start
+        finally:
+            RUNNING.discard(proc.pid)
+    seconds = time.perf_counter() - start
+    if rc in (124, 137) and cmd[0] == "timeout":  # GNU timeout's codes: it hit its limit
+        return "TIMEOUT", rc, seconds
+    signum = -rc if rc < 0 else rc - 128 if rc > 128 and cmd[0] == "timeout" else 0
+    if signum:
+        return f"CRASH({signal.Signals(signum).name})", rc, seconds
+    return ("PASS" if rc == 0 else "FAIL"), rc, seconds
+
+
+def child_result(log: Path) -> dict | None:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(MARK)]
+    return json.loads(lines[-1][len(MARK) :]) if lines else None
+
+
+def tail(path: Path, chars: int = 1500) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def last_line(path: Path) -> str:
+    """The log's last exception line (else its last line)."""
+    lines = [line.strip() for line in tail(path, 6000).splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return (errors or lines or ["no output"])[-1][:100]
+
+
+def bench_error(case: dict, label: str, timing: dict) -> str:
+    """Why a timing of kernels.py's report is wrong ("" if it is not): an error, a non-finite
+    output, or more than BENCH_MAX_ERROR from the XLA reference."""
+    if "error" in timing:
+        return "ERROR"
+    error = timing.get("max_abs_error_vs_reference")  # --large-pool cases: per timing
+    error = (case.get("max_abs_error_vs_reference") or {}).get(label, error)
+    if timing.get("finite") is False:
+        return "NOT FINITE"
+    return f"ERR {error:.3g} > {BENCH_MAX_ERROR}" if error and error > BENCH_MAX_ERROR else ""
+
+
+class Check:
+    def __init__(self, args: argparse.Namespace):
+        self.mode = "cpu" if args.cpu else "gpu"
+        self.out: Path = args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+        self.start = time.perf_counter()
+        self.results: dict[str, dict] = {}
+        self.budgets = dict(BUDGETS[self.mode])
+        for item in args.budget:
+            stage, _, seconds = item.partition("=")
+            self.budgets[stage] = float(seconds)
+        self.total = sum(self.budgets[s] for s in args.only.split(",")) + 20
+        self.env = dict(os.environ)
+        self.env.update(
+            JAX_PLATFORMS=self.mode if self.mode == "cpu" else "cuda",
+            PAGEDJAX_PALLAS_INTERPRET="1" if self.mode == "cpu" else "0",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            PYTHONUNBUFFERED="1",
+            TF_CPP_MIN_LOG_LEVEL="1",
+        )
+
+    def limit(self, stage: str, remaining_stages: int) -> float:
+        left = self.total - (time.perf_counter() - self.start) - 5 * remaining_stages
+        return max(5.0, min(self.budgets[stage], left))
+
+    def me(self, *flags: str) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), *flags] + (
+            ["--cpu"] if self.mode == "cpu" else []
+        )
+
+    def stage_env(self, limit: float) -> dict:
+        lines = [f"date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"]
+        lines.append(f"python: {sys.version.split()[0]} ({sys.executable})")
+        for package in ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt",
+                        "jax-cuda12-plugin", "jax-cuda12-pjrt", "triton", "torch",
+                        "transformers", "numpy"]:  # fmt: skip
+            try:
+                lines.append(f"{package}: {importlib.metadata.version(package)}")
+            except importlib.metadata.PackageNotFoundError:
+                if "cuda" not in package:
+                    lines.append(f"{package}: not installed")
+        if not any("cuda" in line for line in lines):
+            lines.append("jax cuda plugin: not installed")
+        if shutil.which("nvidia-smi"):
+            query = "--query-gpu=name,memory.total,driver_version,clocks.max.sm"
+            try:
+                smi = subprocess.run(
+                    ["nvidia-smi", query, "--format=csv,noheader"],
+                    capture_output=True, text=True, timeout=15,
+                )  # fmt: skip
+                lines.append(f"nvidia-smi: {(smi.stdout or smi.stderr).strip()}")
+            except subprocess.TimeoutExpired:
+                lines.append("nvidia-smi: TIMEOUT")
+        else:
+            lines.append("nvidia-smi: not found")
+        log = self.scratch / "probe.log"
+        status, rc, seconds = run_child(self.me("--probe"), limit, log, self.env)
+        info = child_result(log)
+        if info is None:
+            lines.append(f"jax probe: {status} (rc {rc})\n{tail(log)}")
+            status = status if status != "PASS" else "FAIL"
+        else:
+            lines += [f"jax.{key}: {value}" for key, value in info.items()]
+            if self.mode == "gpu" and info["backend"] != "gpu":
+                status = "FAIL"
+        text = "\n".join(lines) + "\n"
+        (self.out / "env.txt").write_text(text)
+        print(text, flush=True)
+        detail = f"{info['device_kind']}, jax {info['jax']}" if info else last_line(log)
+        return dict(status=status, seconds=seconds, detail=detail)
+
+    def stage_smoke(self, limit: float) -> dict:
+        deadline = time.perf_counter() + limit
+        env = dict(self.env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+
+        def one(name: str) -> dict:
+            log = self.scratch / f"smoke_{name}.log"
+            case_limit = min(SMOKE_CASE_TIMEOUT[self.mode], deadline - time.perf_counter())
+            if case_limit < 5:
+                return dict(status="TIMEOUT", detail="not started: stage budget spent")
+            status, rc, seconds = run_child(self.me("--smoke-case", name), case_limit, log, env)
+            result = child_result(log) or {}
+            result["status"] = result.get("status", "FAIL") if status == "PASS" else status
+            result.update(rc=rc, seconds=round(seconds, 1))
+            if result["status"] != "PASS":
+                result["log_tail"] = tail(log)
+                result.setdefault("detail", last_line(log))
+            line = f"  smoke {name:28s} {result['status']:14s} {seconds:5.1f}s\n"
+            sys.stdout.write(line)  # one write: the cases finish on several threads
+            sys.stdout.flush()
+            return result
+
+        with ThreadPoolExecutor(SMOKE_JOBS[self.mode]) as pool:
+            cases = dict(zip(SMOKE_CASES, pool.map(one, SMOKE_CASES), strict=True))
+        (self.out / "smoke.json").write_text(json.dumps(cases, indent=2))
+        passed = sum(c["status"] == "PASS" for c in cases.values())
+        return dict(
+            status="PASS" if passed == len(cases) else "FAIL",
+            detail=f"{passed}/{len(cases)} cases pass",
+            cases=cases,
+        )
+
+    def stage_kernel_tests(self, limit: float) -> dict:
+        xml, log = self.out / "kernel_tests.xml", self.out / "kernel_tests.log"
+        cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py", "-v",
+               "-p", "no:cacheprovider", f"--junitxml={xml}", "--durations=10",
+               "-o", "faulthandler_timeout=60"]  # fmt: skip
+        if importlib.util.find_spec("pytest_timeout"):  # fails a stuck test, the run goes on
+            cmd += ["--timeout=90", "--timeout-method=signal"]
+        if self.mode == "cpu":  # a few fast tests: the plumbing, not the kernels
+            cmd += ["-k", "decode_split_k_bf16 or software_fp8 or split_count or supports"]
+        if shutil.which("timeout"):  # SIGINT first, so pytest still prints and writes its summary
+            cmd = ["timeout", "--signal=INT", "--kill-after=15", str(max(5, int(limit) - 20))] + cmd
+        status, rc, seconds = run_child(cmd, limit, log, self.env)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        try:
+            suite = ET.parse(xml).getroot()
+            suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+            counts = {key: int(suite.get(key, 0)) for key in counts}
+        except (OSError, ET.ParseError):  # killed before the summary: count the -v lines
+            counts["tests"] = len(re.findall(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", text))
+            counts["failures"] = len(re.findall(r"::\S+ FAILED", text))
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        if status == "PASS" and counts["tests"] == 0:
+            status = "FAIL"
+        detail = (
+            f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+            f"{counts['skipped']} skipped"
+        )
+        outcome = re.compile(r" (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+        unfinished = [  # -v prints the test's name, then its outcome when it ends
+            line.strip() for line in text.splitlines()
+            if line.startswith("tests/") and "::" in line and not outcome.search(line)
+        ]  # fmt: skip
+        if status != "PASS" and unfinished:
+            detail += f"; stopped in {unfinished[-1].split('::', 1)[1]}"
+        return dict(status=status, rc=rc, seconds=seconds, detail=detail, **counts)
+
+    def stage_bench(self, limit: float) -> dict:
+        bench_dir = self.scratch / "bench"
+        cmd = [sys.executable, "benchmarks/kernels.py", "--out", str(bench_dir), "--quick"]
+        # --large-pool (GPU only: slow interpreted): pools past 4 GiB, 64-bit offsets
+        cmd += (
+            ["--tiny", "--iters", "2"] if self.mode == "cpu" else ["--iters", "20", "--large-pool"]
+        )
+        status, rc, seconds = run_child(cmd, limit, self.out / "bench.log", self.env)
+        report = {}
+        if (bench_dir / "kernels.json").exists():  # rewritten after every case: partial too
+            shutil.copy(bench_dir / "kernels.json", self.out / "bench.json")
+            report = json.loads((bench_dir / "kernels.json").read_text())
+        cases = report.get("cases", [])
+        ours_failed = [  # our kernels must run, and match the reference where checked
+            f"{c['case']}/{label}"
+            for c in cases
+            for label, timing in c["timings"].items()
+            if label.startswith("pallas") and bench_error(c, label, timing)
+        ]
+        if status == "PASS" and (ours_failed or not cases):
+            status = "FAIL"
+        copy_bw = report.get("copy_bandwidth_gb_per_s")
+        detail = f"{len(cases)} cases" + (f", copy {copy_bw:.0f} GB/s" if copy_bw else "")
+        detail += f"; errors in {', '.join(ours_failed)}" if ours_failed else ""
+        return dict(status=status, rc=rc, seconds=seconds, detail=detail, report=report)
+
+    def stage_engine(self, limit: float) -> dict:
+        log = self.scratch / "engine.log"
+        env = dict(self.env, TMPDIR=str(self.scratch))  # the saved model goes with the scratch
+        status, rc, seconds = run_child(self.me("--engine-run"), limit, log, env)
+        result = child_result(log) or {}
+        result["status"] = result.get("status", "FAIL") if status == "PASS" else status
+        result.update(rc=rc, seconds=round(seconds, 1), log_tail=tail(log, 3000))
+        (self.out / "engine.json").write_text(json.dumps(result, indent=2))
+        if "token_identical" in result:
+            detail = (
+                f"{result['prompts']} prompts x {result['max_tokens']} tokens, "
+                f"{result['attention_backend']} backend: "
+                + ("token-identical" if result["token_identical"] else "MISMATCH")
+            )
+        else:
+            detail = last_line(log)
+        return dict(status=result["status"], seconds=seconds, detail=detail)
+
+    def run(self, only: list[str]) -> int:
+        chosen = [s for s in STAGES if s in only]
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, stop_children)
+        for i, stage in enumerate(chosen):
+            limit = self.limit(stage, len(chosen) - i - 1)
+            print(f"== {stage} (budget {limit:.0f}s)", flush=True)
+            start = time.perf_counter()
+            try:
+                result = getattr(self, f"stage_{stage}")(limit)
+            except Exception as error:  # the driver's own bug: report it, run the next stage
+                result = dict(status="FAIL", detail=f"driver error: {error!r}"[:300])
+            result["seconds"] = time.perf_counter() - start
+            self.results[stage] = result
+            print(f"== {stage}: {result['status']} in {result['seconds']:.0f}s", flush=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)  # what matters is under --out
+        summary = self.summary()
+        (self.out / "summary.txt").write_text(summary + "\n")
+        print(summary, flush=True)
+        return 0 if all(r["status"] == "PASS" for r in self.results.values()) else 1
+
+    def summary(self) -> str:
+        lines = [f"gpu_check ({self.mode}), {time.perf_counter() - self.start:.0f}s in all"]
+        lines.append(f"{'stage':14s} {'result':13s} {'time':>5s}  detail")
+        for stage, result in self.results.items():
+            lines.append(
+                f"{stage:14s} {result['status']:13s} {result['seconds']:4.0f}s  {result['detail']}"
+            )
+            for name, case in result.get("cases", {}).items():
+                error, detail = case.get("max_abs_error"), case.get("detail", "")
+                if error is not None:
+                    detail = f"max err {error:.2e} (atol=rtol={case['tolerance']['atol']:g})"
+                lines.append(f"  {name:28s} {case['status']:13s} {detail}")
+        report = self.results.get("bench", {}).get("report") or {}
+        copy_bw = report.get("copy_bandwidth_gb_per_s") or 0
+        if report.get("cases"):
+            lines.append(f"bench: {report.get('device')}, copy {copy_bw:.0f} GB/s (read + write)")
+            lines.append(f"  {'case':22s} {'kv':9s} {'kernel':28s} {'us':>9s} {'GB/s':>6s} copy%")
+            for case in report["cases"]:
+                for label, t in case["timings"].items():
+                    row = f"  {case['case']:22s} {case['kv_dtype'][:9]:9s} {label[:28]:28s}"
+                    if "error" in t:
+                        lines.append(f"{row} ERROR {t['error'][:60]}")
+                    else:
+                        error = bench_error(case, label, t)
+                        lines.append(
+                            f"{row} {t['us']:9.1f} {t['kv_gb_per_s']:6.0f} "
+                            f"{t['fraction_of_copy_bw']:5.0%}" + (f" {error}" if error else "")
+                        )
+                if "skipped" in case:
+                    lines.append(f"  {case['case']:22s} skipped: {case['skipped'][:60]}")
+            lines.append(self.targets(report))
+        overall = all(r["status"] == "PASS" for r in self.results.values())
+        lines.append(f"OVERALL: {'PASS' if overall else 'FAIL'}")
+        return "\n".join(lines)
+
+    def targets(self, report: dict) -> str:
+        name = TARGET_CASE[self.mode]
+        case = next(
+            (c for c in report["cases"] if c["case"] == name and c["kv_dtype"] == "bfloat16"), None
+        )
+        if case is None:
+            return f"targets: {name} bf16 not in bench.json"
+        ours = case["timings"].get("pallas_split_k", {})
+        peer = case["timings"].get("jax_bundled_paged_attention", {})
+        if "us" not in ours:
+            return f"targets: {name} bf16: our split-K kernel has no timing"
+        fraction = ours["fraction_of_copy_bw"]
+        met = "MET" if fraction >= TARGET_COPY_FRACTION else "MISSED"
+        text = (
+            f"targets on {name} bf16 (split-K): {fraction:.0%} of copy bandwidth "
+            f"(>= {TARGET_COPY_FRACTION:.0%}: {met})"
+        )
+        if "us" in peer:
+            speedup = peer["us"] / ours["us"]
+            met = "MET" if speedup >= TARGET_SPEEDUP else "MISSED"
+            text += f", {speedup:.2f}x JAX's bundled kernel (>= {TARGET_SPEEDUP}x: {met})"
+        else:
+            text += ", JAX's bundled kernel: no timing"
+        ours_timed = {k: t["us"] for k, t in case["timings"].items() if "pallas" in k and "us" in t}
+        return text + f"; fastest of ours: {min(ours_timed, key=ours_timed.get)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")))
+    parser.add_argument("--cpu", action="store_true", help="dry run on the CPU, tiny sizes")
+    parser.add_argument("--only", default=",".join(STAGES), help="comma-separated stages")
+    parser.add_argument(
+        "--budget", action="append", default=[], metavar="STAGE=SECONDS", help="a stage's budget"
+    )
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke-case", choices=list(SMOKE_CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--engine-run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    mode = "cpu" if args.cpu else "gpu"
+    if args.probe or args.smoke_case or args.engine_run:  # a child: one result line, last
+        if args.probe:
+            result = probe()
+        elif args.smoke_case:
+            result = smoke_case(args.smoke_case, mode)
+        else:
+            result = engine_run(mode)
+        print(MARK + json.dumps(result), flush=True)
+        return
+    unknown = set(args.only.split(",") + [b.partition("=")[0] for b in args.budget]) - set(STAGES)
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}; stages: {STAGES}")
+    sys.exit(Check(args).run(args.only.split(",")))
+
+
+if __name__ == "__main__":
+    main()

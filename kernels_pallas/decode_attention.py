@@ -180,7 +180,7 @@ def decode_tiling(
     """(KV tile tokens KT, num_warps): `config` over the defaults."""
     default_kv_tile = 32 if pallas_common.matmul_dtype(kv_dtype) == jnp.float32 else 64
     kv_tile = pallas_common.kv_tile_tokens(config.kv_tile_tokens or default_kv_tile, block_size)
-    # float32 tiles at head_dim 128 spill on 4 warps with Triton 3.7 (255 registers, 160 B).
+    # float32 tiles at head_dim 128 spill registers on 4 warps (benchmarks/README.md).
     wide = head_dim >= 256 or (head_dim >= 128 and default_kv_tile == 32)
     return kv_tile, config.num_warps or (8 if wide else 4)
 

@@ -185,7 +185,7 @@ class ModelRunner:
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
         # Only then is decode-only a static flag of the step, and a key of its compilations.
-        self.has_decode_kernel = bool(getattr(attention, "has_decode_kernel", False))
+        self.has_decode_kernel = attention.has_decode_kernel
         self.max_blocks_per_seq = -(-config.max_model_len // block_size)
         if attention.cost_follows_context:
             self.width_buckets = [self.max_blocks_per_seq]

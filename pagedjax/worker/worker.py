@@ -98,16 +98,14 @@ class Worker:
             kv_scales = load_kv_scales(
                 config.kv_cache_scales, model_config.num_layers, model_config.num_kv_heads
             )
-        backends = platform.attention_backends(
-            config.attention_backend,
-            AttentionSpec(
-                model_config.num_heads,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                kv_dtype.name,
-                config.block_size,
-            ),
+        self.attention_spec = AttentionSpec(
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            kv_dtype.name,
+            config.block_size,
         )
+        backends = platform.attention_backends(config.attention_backend, self.attention_spec)
         self._start(backends)
         if config.calculate_kv_scales:
             kv_scales = self.calibrate_kv_scales()
@@ -186,13 +184,7 @@ class Worker:
         the model's tokenizer) into a temporary pool in the model's dtype."""
         config, model_config = self.config, self.model_config
         dtype = jnp.dtype(config.dtype)
-        spec = AttentionSpec(
-            model_config.num_heads,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype.name,
-            config.block_size,
-        )
+        spec = replace(self.attention_spec, kv_dtype=dtype.name)
         # The backend that started (it ran a step) if it reads the temporary pool's dtype.
         attention = self.attention
         if attention.supports(spec) is not None:

@@ -56,11 +56,25 @@ def matmul_precision(dtype: jnp.dtype) -> AbstractContextManager:
     return jax.default_matmul_precision("highest" if dtype == jnp.float32 else None)
 
 
-def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
-    """[T] ids -> [T, H] embeddings, from the table or, when tied without one, the LM head."""
-    if "embed" in params:
-        return params["embed"][token_ids]
-    return params["lm_head"].take_columns(token_ids)
+def all_reduce(x: jax.Array, axis_name: str | None) -> jax.Array:
+    """The sum of x over the tensor-parallel shards (x itself without tensor parallelism)."""
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def embed_tokens(params: Params, token_ids: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """[T] ids -> [T, H] embeddings, from the table or, when tied without one, the LM head.
+
+    Tensor parallel: each shard holds a contiguous slice of the vocabulary's rows, looks up
+    the ids in its slice (zeros elsewhere), and the sum over shards is the embedding."""
+    if "embed" not in params:
+        return params["lm_head"].take_columns(token_ids)
+    table = params["embed"]
+    if axis_name is None:
+        return table[token_ids]
+    local = token_ids - jax.lax.axis_index(axis_name) * table.shape[0]
+    inside = (local >= 0) & (local < table.shape[0])
+    rows = table[jnp.clip(local, 0, table.shape[0] - 1)]
+    return all_reduce(jnp.where(inside[:, None], rows, jnp.zeros_like(rows)), axis_name)
 
 
 def layer_matmul(
@@ -106,6 +120,7 @@ def _attention_block(
     sliding_window: jax.Array,
     metadata: AttentionMetadata,
     attention_fn: AttentionFn,
+    axis_name: str | None,
 ) -> tuple[jax.Array, KVCache]:
     num_tokens = x.shape[0]
     h = rms_norm(x, layer_params["attn_norm"], config.rms_norm_eps)
@@ -130,15 +145,23 @@ def _attention_block(
         scale=config.attention_scale,
         sliding_window=sliding_window if any(config.sliding_windows) else None,
     )
-    return x + layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer), cache
+    # Tensor parallel: o_proj's rows are sharded by head, so each shard holds a partial sum.
+    out = layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer)
+    return x + all_reduce(out, axis_name), cache
 
 
 def _mlp_block(
-    config: ModelConfig, layer_params: Params, weights: Params, x: jax.Array, layer: jax.Array
+    config: ModelConfig,
+    layer_params: Params,
+    weights: Params,
+    x: jax.Array,
+    layer: jax.Array,
+    axis_name: str | None,
 ) -> jax.Array:
     h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
     gate, up = jnp.split(layer_matmul(h, weights["w_gate_up"], layer), 2, axis=-1)
-    return x + layer_matmul(jax.nn.silu(gate) * up, weights["w_down"], layer)
+    out = layer_matmul(jax.nn.silu(gate) * up, weights["w_down"], layer)
+    return x + all_reduce(out, axis_name)
 
 
 def forward(
@@ -149,10 +172,16 @@ def forward(
     kv_cache: KVCache,
     metadata: AttentionMetadata,
     attention_fn: AttentionFn = ragged_paged_attention,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a step's flat tokens; returns final-normed hidden states [T, H]
-    and the pool with this step's K/V written into it."""
-    x = embed_tokens(params, token_ids)
+    and the pool with this step's K/V written into it.
+
+    axis_name: run as one shard of a tensor-parallel group under `shard_map` (Megatron-style,
+    see `models/tensor_parallel.py`): `config` and the params are the shard's (its heads, its
+    slice of the MLP and the vocabulary), and the two row-parallel products of each layer are
+    summed over the group."""
+    x = embed_tokens(params, token_ids, axis_name)
     cos, sin = rope_cos_sin(config, positions)
     # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
     weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
@@ -173,8 +202,9 @@ def forward(
             window,
             metadata,
             attention_fn,
+            axis_name,
         )
-        return (_mlp_block(config, layer_params, weights, x, layer), cache), None
+        return (_mlp_block(config, layer_params, weights, x, layer, axis_name), cache), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
@@ -183,15 +213,21 @@ def forward(
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), kv_cache
 
 
-def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled."""
+def compute_logits(params: Params, hidden: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled.
+    Tensor parallel: each shard's slice of the vocabulary, gathered into every shard."""
     head = params.get("lm_head")
     with matmul_precision(hidden.dtype):
         if isinstance(head, LinearWeight):
-            return head.matmul(hidden).astype(jnp.float32)
-        if head is not None:
-            return (hidden @ head).astype(jnp.float32)
-        return jnp.einsum("rh,vh->rv", hidden, params["embed"]).astype(jnp.float32)
+            logits = head.matmul(hidden)
+        elif head is not None:
+            logits = hidden @ head
+        else:
+            logits = jnp.einsum("rh,vh->rv", hidden, params["embed"])
+    logits = logits.astype(jnp.float32)
+    if axis_name is None:
+        return logits
+    return jax.lax.all_gather(logits, axis_name, axis=1, tiled=True)
 
 
 def forward_logits(
@@ -203,12 +239,13 @@ def forward_logits(
     metadata: AttentionMetadata,
     logits_indices: jax.Array,  # [R] int32 rows of the flat batch to compute logits for
     attention_fn: AttentionFn = ragged_paged_attention,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """forward, then logits [R, V] for the selected rows only (usually each sequence's last)."""
     hidden, kv_cache = forward(
-        params, config, token_ids, positions, kv_cache, metadata, attention_fn
+        params, config, token_ids, positions, kv_cache, metadata, attention_fn, axis_name
     )
-    return compute_logits(params, hidden[logits_indices]), kv_cache
+    return compute_logits(params, hidden[logits_indices], axis_name), kv_cache
 
 
 forward_logits_jit = jax.jit(

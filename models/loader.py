@@ -75,16 +75,20 @@ def params_from_hf_tensors(
     get: TensorGetter,
     dtype: jnp.dtype = jnp.float32,
     blocks: dict[str, QuantizedLinear] | None = None,
+    on_host: bool = False,
 ) -> Params:
     """Stacks per-layer HF tensors ([out, in] weights) into our fused [in, out] layout; the
-    weights in `blocks` (see `_fused_blocks`) go in as they are, and are not read."""
+    weights in `blocks` (see `_fused_blocks`) go in as they are, and are not read.
+    on_host: numpy arrays, for the caller to place (a model split over devices)."""
     try:
-        return _stack_params(config, get, dtype, blocks or {})
+        return _stack_params(config, get, dtype, blocks or {}, on_host)
     except ValueError as e:  # numpy's broadcast error on a tensor of the wrong shape
         raise ModelLoadError(f"a weight's shape does not match the config: {e}") from e
 
 
-def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, blocks: dict) -> Params:
+def _stack_params(
+    config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, blocks: dict, on_host: bool
+) -> Params:
     L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
     Q, KV = config.q_size, config.kv_size
 
@@ -140,7 +144,8 @@ def _stack_params(config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, bloc
             raise ValueError(f"embeddings are {params['embed'].shape}, expected {embed_shape}")
     if not config.tie_word_embeddings and "lm_head" not in blocks:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    to_array = np.asarray if on_host else jnp.asarray
+    params = jax.tree.map(lambda a: to_array(a, dtype=dtype), params)
     for name, kept in blocks.items():
         (params if name == "lm_head" else params["layers"])[name] = kept
     return params
@@ -225,6 +230,7 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     *,
     keep_blocks: bool = False,
+    on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     """Loads config and params from a HF directory, a .gguf file, or the default model.
 
@@ -233,7 +239,8 @@ def load_model(
     "w_down" whose parts are block codes of one width in every layer becomes a stacked
     `QuantizedLinear`, and "lm_head" one too (with tied embeddings, in place of "embed").
     They compute the float32 weights' products exactly, from a fifth of the bytes. Other
-    weights, and every weight of a Hugging Face directory, load as float arrays.
+    weights, and every weight of a Hugging Face directory, load as float arrays (numpy
+    arrays with `on_host`, for a model split over devices).
     """
     files = resolve_model_path(model)
     blocks = {}
@@ -253,7 +260,7 @@ def load_model(
     else:
         config = model_config_from_hf(read_hf_config(files.path))
         getter = _checked_getter(_safetensors_getter(files.path), str(files.path))
-    return config, params_from_hf_tensors(config, getter, dtype, blocks)
+    return config, params_from_hf_tensors(config, getter, dtype, blocks, on_host)
 
 
 def _fused_blocks(

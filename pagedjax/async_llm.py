@@ -224,7 +224,7 @@ class AsyncLLM:
         finally:
             with self._lock:
                 self._num_pending_adds -= 1
-                self._num_waiting = len(self.engine.engine_core.scheduler.waiting)
+                self._num_waiting = self.engine.engine_core.num_waiting
 
     def _send(self, streams: dict[str, _Stream], outputs: list[RequestOutput]) -> None:
         for output in outputs:

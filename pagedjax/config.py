@@ -52,6 +52,12 @@ class EngineConfig:
     # Schedule and prepare step N+1 while step N runs on the device (as vLLM v1's async
     # scheduling); its tokens from step N are read on the device. Greedy output is unchanged.
     async_scheduling: bool = True
+    # Devices: tensor_parallel_size of them run each engine replica, the model split over
+    # them (Megatron-style, `models/tensor_parallel.py`); data_parallel_size replicas, each
+    # with its own scheduler and KV pool, share the requests (`pagedjax/data_parallel.py`).
+    # Replica r runs on devices r*T .. r*T + T - 1 of `jax.devices()`.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     # After start-up, move the objects alive then out of the collector's generations (as vLLM
     # does), so full collections stop rescanning the model's and tokenizer's objects.
     freeze_gc: bool = True
@@ -105,6 +111,19 @@ class EngineConfig:
         check(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1]: {self.gpu_memory_utilization}",
+        )
+        check(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be positive: {self.tensor_parallel_size}",
+        )
+        check(
+            self.data_parallel_size >= 1,
+            f"data_parallel_size must be positive: {self.data_parallel_size}",
+        )
+        check(
+            not (self.calculate_kv_scales and self.tensor_parallel_size > 1),
+            "calculate_kv_scales runs on one device: calibrate with tensor_parallel_size=1 "
+            "and give the scales as kv_cache_scales",
         )
         scaled = self.calculate_kv_scales or self.kv_cache_scales is not None
         check(

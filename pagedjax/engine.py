@@ -19,6 +19,7 @@ from models.llama import Params
 from models.loader import load_tokenizer
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.engine_core import EngineCore
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.output_processor import OutputProcessor
@@ -45,11 +46,16 @@ class LLMEngine:
         pool = ThreadPoolExecutor(1)
         pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
-        worker = Worker(config, platform, model_config, params)
+        # One engine core per data-parallel replica, each on its own devices.
+        replicas = replica_devices(config) or [None]
+        workers = [Worker(config, platform, model_config, params, d) for d in replicas]
         # The worker decides "auto" options once (the dtype): the engine's config holds them.
-        config = self.config = worker.config
-        self.engine_core = EngineCore(config, worker)
-        self.model_config = self.engine_core.worker.model_config
+        config = self.config = workers[0].config
+        cores = [EngineCore(config, worker) for worker in workers]
+        self.engine_core: EngineCore | DataParallelCore = (
+            cores[0] if len(cores) == 1 else DataParallelCore(cores)
+        )
+        self.model_config = workers[0].model_config
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = self.tokenizer.eos_token_id
@@ -105,7 +111,7 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_model_len - len(prompt_ids)
-        self.engine_core.scheduler.check_fits(len(prompt_ids), max(max_tokens, 1), params.n)
+        self.engine_core.check_fits(len(prompt_ids), max(max_tokens, 1), params.n)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
@@ -178,7 +184,7 @@ class LLMEngine:
 
     @property
     def num_generated_tokens(self) -> int:
-        return self.engine_core.scheduler.num_generated_tokens
+        return self.engine_core.num_generated_tokens
 
     def stats(self) -> dict:
         return self.engine_core.stats()

@@ -66,6 +66,28 @@ class EngineCore:
         # dropped) by whichever step comes next.
         return self.scheduler.has_unfinished_requests()
 
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def num_unfinished_sequences(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """Raises ValueError if such a request could never run (see Scheduler.check_fits)."""
+        self.scheduler.check_fits(num_prompt_tokens, max_tokens, n)
+
+    def warmup(self) -> float:
+        """Compiles every step shape now; returns the seconds spent."""
+        return self.worker.runner.warmup()
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedules and dispatches a step; returns what each sequence that progressed got.
 
@@ -137,6 +159,7 @@ class EngineCore:
             "num_generated_tokens": self.scheduler.num_generated_tokens,
             "num_prompt_tokens": self.scheduler.num_prompt_tokens,
             "generation_tokens_per_s": self._tokens_per_second(),
+            **self.worker.memory_stats(),
         }
 
     def _tokens_per_second(self) -> float:

@@ -199,7 +199,7 @@ def test_the_fallback_also_covers_the_profile_compile(tiny, monkeypatch, caplog,
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     stats = {"bytes_limit": 48 << 20, "bytes_in_use": 1 << 20}
-    gpu = GpuPlatform(memory_stats=lambda: stats)
+    gpu = GpuPlatform(memory_stats=lambda device: stats)
     caplog.set_level(logging.INFO, logger="pagedjax")
     engine = engine_on(gpu, monkeypatch, path, config, params, num_kv_blocks=None)
     assert len(startup_warnings(caplog)) == 1
@@ -257,7 +257,7 @@ def test_the_allocator_fraction_is_read_as_jaxlib_reads_it():
 def test_the_gpu_platform_budgets_from_its_memory_stats(monkeypatch, caplog):
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.8")
     stats = {"bytes_limit": 64 * GIB, "bytes_in_use": 3 * GIB}  # an 80 GiB card
-    gpu = GpuPlatform(memory_stats=lambda: stats)
+    gpu = GpuPlatform(memory_stats=lambda device: stats)
     config = EngineConfig(max_num_seqs=100, gpu_memory_utilization=0.7)
     caplog.set_level(logging.INFO, logger="pagedjax")
     got = gpu.kv_budget_bytes(config, lambda: GIB, vocab_size=50_000)
@@ -268,7 +268,7 @@ def test_the_gpu_platform_budgets_from_its_memory_stats(monkeypatch, caplog):
     for part in ("70% of the card's 80.00 GiB", "3.00 GiB in use", "1.00 GiB activation peak"):
         assert part in lines[0]
     assert "sampler reserve" in lines[0]
-    assert GpuPlatform(memory_stats=lambda: None).kv_budget_bytes(config, lambda: 0, 10) == (
+    assert GpuPlatform(memory_stats=lambda device: None).kv_budget_bytes(config, lambda: 0, 10) == (
         DEFAULT_KV_BYTES
     )
 

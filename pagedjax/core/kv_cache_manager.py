@@ -135,6 +135,19 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading blocks under these keys the prefix cache holds; changes
+        nothing (a data-parallel router asks every replica before choosing one)."""
+        if not self.enable_caching:
+            return 0
+        cached_blocks = self.block_pool.cached_blocks
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in cached_blocks:
+                break
+            count += 1
+        return count
+
     def _register(self, request: KVCacheRequest) -> _RequestBlocks:
         extra_keys = request_extra_keys(request) if self.enable_caching else b""
         state = self._requests[request.request_id] = _RequestBlocks(extra_keys)

@@ -83,9 +83,14 @@ class Platform:
         return params
 
     def kv_budget_bytes(
-        self, config: EngineConfig, activation_peak: Callable[[], int], vocab_size: int
+        self,
+        config: EngineConfig,
+        activation_peak: Callable[[], int],
+        vocab_size: int,
+        device: jax.Device | None = None,
     ) -> int:
-        """Bytes for the KV pool when the config gives neither blocks nor bytes."""
+        """One device's bytes for the KV pool when the config gives neither blocks nor bytes
+        (`device`: the engine's first; every device of a tensor-parallel group holds the same)."""
         return DEFAULT_KV_BYTES
 
 

@@ -27,9 +27,10 @@ CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 GPU_AUTO_DTYPE = "bfloat16"
 
 
-def device_memory_stats() -> Mapping[str, int] | None:
-    """The first device's allocator statistics (None where the allocator keeps none)."""
-    return jax.devices()[0].memory_stats()
+def device_memory_stats(device: jax.Device | None = None) -> Mapping[str, int] | None:
+    """A device's allocator statistics (None where the allocator keeps none); the first
+    device's by default."""
+    return (device or jax.devices()[0]).memory_stats()
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class GpuPlatform(Platform):
     sampling: SamplingKernels = XLA_SAMPLING
     probes_attention: bool = True
     # Where the allocator's numbers come from (tests inject fakes).
-    memory_stats: Callable[[], Mapping[str, int] | None] = device_memory_stats
+    memory_stats: Callable[[jax.Device | None], Mapping[str, int] | None] = device_memory_stats
 
     def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> str:
         """For "auto" the checkpoint's dtype (bfloat16 for most Hugging Face checkpoints),
@@ -50,12 +51,16 @@ class GpuPlatform(Platform):
         return checkpoint_dtype if checkpoint_dtype in CHECKPOINT_DTYPES else GPU_AUTO_DTYPE
 
     def kv_budget_bytes(
-        self, config: EngineConfig, activation_peak: Callable[[], int], vocab_size: int
+        self,
+        config: EngineConfig,
+        activation_peak: Callable[[], int],
+        vocab_size: int,
+        device: jax.Device | None = None,
     ) -> int:
         """gpu_memory_utilization of the card's memory (capped by what JAX's allocator may
         hand out), less what is in use (the weights), the forward's activation peak and the
         sampler's working memory."""
-        stats = self.memory_stats()
+        stats = self.memory_stats(device)
         if not stats or "bytes_limit" not in stats:
             return DEFAULT_KV_BYTES
         budget = gpu_kv_budget(

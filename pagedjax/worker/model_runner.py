@@ -21,11 +21,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.backend import AttentionBackend
 from kernels_pallas.kv_cache import (
     NULL_BLOCK,
     PAD_SLOT,
+    KVCache,
     allocate_kv_cache,
     copy_blocks,
     with_scales,
@@ -33,6 +35,7 @@ from kernels_pallas.kv_cache import (
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from models.config import ModelConfig
 from models.llama import Params, forward_logits
+from models.tensor_parallel import TensorParallel
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSequence
@@ -99,7 +102,7 @@ def activation_bytes(
 # Module-level, so engines over the same model and shapes share its compilations.
 @partial(
     jax.jit,
-    static_argnames=("config", "attention_fn", "decode_only"),
+    static_argnames=("config", "attention_fn", "decode_only", "tp"),
     donate_argnames=("kv_cache",),
 )
 def _forward_step(
@@ -115,14 +118,36 @@ def _forward_step(
     config,
     attention_fn,
     decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
+    tp: TensorParallel | None = None,  # the tensor-parallel group, None for one device
 ):
     if decode_only is not None:
         attention_fn = partial(attention_fn, decode_only=decode_only)
+    token_ids = jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
+    step = partial(_model_step, attention_fn=attention_fn)
+    inputs = (token_ids, positions, metadata, rows, copies)
+    if tp is None:
+        return step(params, kv_cache, *inputs, config=config, axis_name=None)
+    return tp.run(step, params, kv_cache, *inputs)
+
+
+def _model_step(
+    params,
+    kv_cache,
+    token_ids,
+    positions,
+    metadata,
+    rows,
+    copies,
+    *,
+    config,
+    axis_name,
+    attention_fn,
+):
+    """Copy-on-write copies, then the forward: per shard under tensor parallelism."""
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
-    token_ids = jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
     return forward_logits(
-        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn
+        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn, axis_name
     )
 
 
@@ -174,12 +199,22 @@ class ModelRunner:
         num_blocks: int,
         attention: AttentionBackend,
         sampling: SamplingKernels,
+        tp: TensorParallel | None = None,
+        device: jax.Device | None = None,
     ):
+        """tp: run split over its group (params placed by it); device: the one device of
+        an engine that is not the default device's (a data-parallel replica's)."""
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
-        self.kv_spec = kv_spec
+        self.kv_spec, self.tp = kv_spec, tp
         self.block_size = block_size = config.block_size
-        self.kv_cache = allocate_kv_cache(kv_spec, num_blocks, block_size)
+        self._pool_sharding = None
+        if tp is not None:
+            shape = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, block_size))
+            self._pool_sharding = tp.shardings(tp.pool_spec(shape))
+        elif device is not None:
+            self._pool_sharding = jax.sharding.SingleDeviceSharding(device)
+        self.kv_cache = self._allocate(num_blocks)
         self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
         self.token_buckets = token_buckets(config.max_num_batched_tokens)
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
@@ -202,7 +237,22 @@ class ModelRunner:
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
-        self._no_previous = jnp.zeros(max_seqs, jnp.int32)
+        self._no_previous = self._place(jnp.zeros(max_seqs, jnp.int32))
+
+    def _allocate(self, num_blocks: int) -> KVCache:
+        """A zeroed pool, created where it lives (split by KV head under tensor parallelism)."""
+        allocate = partial(allocate_kv_cache, self.kv_spec, num_blocks, self.block_size)
+        if self._pool_sharding is None:
+            return allocate()
+        return jax.jit(allocate, out_shardings=self._pool_sharding)()
+
+    def _place(self, array: jax.Array) -> jax.Array:
+        """A small array the step reads, on the step's devices (replicated over a group)."""
+        if self.tp is not None:
+            return jax.device_put(array, jax.sharding.NamedSharding(self.tp.mesh, P()))
+        if self._pool_sharding is not None:
+            return jax.device_put(array, self._pool_sharding)
+        return array
 
     def _forward(
         self,
@@ -231,6 +281,7 @@ class ModelRunner:
             config=self.model_config,
             attention_fn=self.attention,
             decode_only=decode_only,
+            tp=self.tp,
         )
         self.num_compilations += _forward_step._cache_size() - cached
         return out
@@ -433,15 +484,19 @@ class ModelRunner:
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool, when a failed step left the donated one unusable."""
-        self.kv_cache = allocate_kv_cache(self.kv_spec, self.kv_cache.num_blocks, self.block_size)
+        self.kv_cache = self._allocate(self.kv_cache.num_blocks)
         if self.kv_scales is not None:
-            self.kv_cache = with_scales(self.kv_cache, *self.kv_scales)
+            self.kv_cache = self._with_scales(*self.kv_scales)
 
     def set_kv_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
         """Sets the fp8 pool's [num_layers, num_kv_heads] scales (kept on the host too, so a
         reset pool gets them back); ValueError for a pool without scales or a wrong shape."""
-        self.kv_cache = with_scales(self.kv_cache, k_scale, v_scale)
+        self.kv_cache = self._with_scales(k_scale, v_scale)
         self.kv_scales = (np.array(k_scale, np.float32), np.array(v_scale, np.float32))
+
+    def _with_scales(self, k_scale: np.ndarray, v_scale: np.ndarray) -> KVCache:
+        cache = with_scales(self.kv_cache, k_scale, v_scale)
+        return cache if self._pool_sharding is None else jax.device_put(cache, self._pool_sharding)
 
     def kv_cache_lost(self) -> bool:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))

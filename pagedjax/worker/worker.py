@@ -20,6 +20,15 @@ from kernels_pallas.kv_cache import KV_CACHE_DTYPES
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import checkpoint_dtype, load_model, load_tokenizer
+from models.tensor_parallel import (
+    AXIS,
+    TensorParallel,
+    layout_params,
+    local_bytes,
+    place_params,
+    replicate_kv_scales,
+    tensor_parallel_config,
+)
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import SchedulerOutput
@@ -69,7 +78,8 @@ def _summary(error: Exception) -> str:
 
 
 class Worker:
-    """One device's model, KV pool and step runner. `config.block_size` must be set."""
+    """One engine's model, KV pool and step runner, on one device or split over a
+    tensor-parallel group (`devices`). `config.block_size` must be set."""
 
     def __init__(
         self,
@@ -77,30 +87,57 @@ class Worker:
         platform: Platform,
         model_config: ModelConfig | None = None,
         params: Params | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
+        """devices: the engine's devices (tensor_parallel_size of them); None: JAX's default
+        device."""
         given = model_config is not None and params is not None
         config = replace(config, dtype=resolve_dtype(config, platform, params if given else None))
         self.config, self.platform = config, platform
+        self.devices = tuple(devices) if devices is not None else (jax.devices()[0],)
+        self._placed = devices is not None
+        self._memory: tuple[dict[int, int], dict[int, int]] | None = None
+        size = config.tensor_parallel_size
+        if len(self.devices) != size:
+            raise ValueError(f"{len(self.devices)} devices for tensor_parallel_size {size}")
         dtype = jnp.dtype(config.dtype)
         if not given:
-            keep_blocks = platform.keeps_quantized_weights(dtype)
-            model_config, params = load_model(config.model, dtype, keep_blocks=keep_blocks)
+            keep_blocks = size == 1 and platform.keeps_quantized_weights(dtype)
+            model_config, params = load_model(
+                config.model, dtype, keep_blocks=keep_blocks, on_host=size > 1
+            )
         self.model_config = model_config
-        self.params = platform.prepare_params(params, dtype)
+        self.tp, kv_repeat, shard = None, 1, model_config
+        if size > 1:
+            # The split's layout, then each device receives only its slice of the weights.
+            tp_config, kv_repeat = tensor_parallel_config(model_config, size)
+            mesh = jax.sharding.Mesh(np.asarray(self.devices), (AXIS,))
+            self.tp = TensorParallel(mesh, tp_config, model_config.vocab_size)
+            self.params = place_params(layout_params(params, model_config, size), self.tp)
+            shard = self.tp.local_config
+        else:
+            self.params = platform.prepare_params(params, dtype)
+            if self._placed:
+                self.params = jax.device_put(self.params, self.devices[0])
         kv_name = config.kv_cache_dtype
         kv_dtype = dtype if kv_name == "auto" else jnp.dtype(KV_CACHE_DTYPES[kv_name])
+        # The whole pool (its KV heads replicated where the split needs more), and one
+        # device's part of it, which the device's memory budget sizes.
         self.kv_spec = KVCacheSpec(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
+            model_config.num_layers, shard.num_kv_heads * size, model_config.head_dim, kv_dtype
         )
+        self.device_kv_spec = replace(self.kv_spec, num_kv_heads=shard.num_kv_heads)
         # Given scales are checked against the model's shape before anything is allocated.
         kv_scales = None
         if config.kv_cache_scales is not None:
             kv_scales = load_kv_scales(
                 config.kv_cache_scales, model_config.num_layers, model_config.num_kv_heads
             )
+            kv_scales = tuple(replicate_kv_scales(s, kv_repeat) for s in kv_scales)
+        # What the attention kernels see: one shard's heads.
         self.attention_spec = AttentionSpec(
-            model_config.num_heads,
-            model_config.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             model_config.head_dim,
             kv_dtype.name,
             config.block_size,
@@ -135,6 +172,8 @@ class Worker:
                     self.num_blocks,
                     self.attention,
                     self.platform.sampling,
+                    tp=self.tp,
+                    device=self.devices[0] if self._placed and self.tp is None else None,
                 )
                 if self.platform.probes_attention:
                     self._probe()
@@ -211,9 +250,10 @@ class Worker:
             budget = config.kv_cache_memory_bytes
             if budget is None:
                 budget = self.platform.kv_budget_bytes(
-                    config, self._activation_peak, self.model_config.vocab_size
+                    config, self._activation_peak, self.model_config.vocab_size, self.devices[0]
                 )
-            num_blocks = self.kv_spec.num_blocks_for_budget(budget, config.block_size)
+            # The budget is one device's: each holds its KV heads' part of every block.
+            num_blocks = self.device_kv_spec.num_blocks_for_budget(budget, config.block_size)
         usable, block_size = num_blocks - 1, config.block_size  # block 0 is the null block
         tokens = usable * block_size
         logger.info(
@@ -236,17 +276,37 @@ class Worker:
         """The forward's compiled temporaries; the first compile of the attention backend
         when the pool is sized from memory, so a failure is the backend's (`_start`)."""
         config = self.config
+        model_config, params = self.model_config, self.params
+        if self.tp is not None:  # one shard's forward, on one shard's weights
+            model_config = self.tp.local_config
+            params = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype), params
+            )
         try:
             return activation_bytes(
-                self.model_config,
-                self.params,
+                model_config,
+                params,
                 config.max_num_batched_tokens,
                 -(-config.max_model_len // config.block_size),
                 self.attention,
-                self.kv_spec,
+                self.device_kv_spec,
             )
         except Exception as error:
             raise _BackendFailure(error) from error
+
+    def memory_stats(self) -> dict[str, int]:
+        """Device memory held by the weights and the KV pool: per device (the most any of
+        this engine's devices holds) and in total over its devices."""
+        if self._memory is None:  # fixed once the pool is allocated
+            self._memory = local_bytes(self.params), local_bytes(self.runner.kv_cache)
+        weights, pool = self._memory
+        return {
+            "num_devices": len(self.devices),
+            "weights_bytes_per_device": max(weights.values(), default=0),
+            "weights_bytes_total": sum(weights.values()),
+            "kv_cache_bytes_per_device": max(pool.values(), default=0),
+            "kv_cache_bytes_total": sum(pool.values()),
+        }
 
     def execute_model(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are

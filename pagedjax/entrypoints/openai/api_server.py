@@ -273,7 +273,7 @@ def run_server(args: argparse.Namespace) -> int:
         if args.warmup:
             # Compiled before the port opens, so no client's first request pays for it; the
             # engine loop is idle until a request comes.
-            seconds = core.engine_core.worker.runner.warmup()
+            seconds = core.engine_core.warmup()
             logger.info("compiled every step shape in %.1f s", seconds)
         name = args.served_model_name or default_model_name(args.model)
         app = build_app(engine, name, api_key=args.api_key, owns_engine=True)

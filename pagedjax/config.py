@@ -58,6 +58,12 @@ class EngineConfig:
     # Replica r runs on devices r*T .. r*T + T - 1 of `jax.devices()`.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Several hosts (`pagedjax/distributed.py`): process 0's host:port, the number of
+    # processes and this one's id, for jax.distributed.initialize (else from the
+    # PAGEDJAX_* variables; none needed if the script joined JAX's processes itself).
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
     # After start-up, move the objects alive then out of the collector's generations (as vLLM
     # does), so full collections stop rescanning the model's and tokenizer's objects.
     freeze_gc: bool = True

@@ -33,9 +33,15 @@ def replica_devices(config: EngineConfig) -> list[tuple[jax.Device, ...]] | None
     `jax.devices()` per replica); None for one replica on one device (JAX's default).
     Raises ValueError when there are too few devices."""
     size, replicas = config.tensor_parallel_size, config.data_parallel_size
+    devices = jax.devices()
+    if jax.process_count() > 1 and (replicas > 1 or size != len(devices)):
+        raise ValueError(
+            f"over {jax.process_count()} processes, one tensor-parallel group spans all "
+            f"{len(devices)} devices: set tensor_parallel_size={len(devices)} and "
+            "data_parallel_size=1"
+        )
     if size == 1 and replicas == 1:
         return None
-    devices = jax.devices()
     needed = size * replicas
     if needed > len(devices):
         hint = ""

@@ -12,14 +12,17 @@ import gc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import jax
 import numpy as np
 
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import load_tokenizer
+from pagedjax import distributed
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.data_parallel import DataParallelCore, replica_devices
+from pagedjax.distributed import StepChannel
 from pagedjax.engine_core import EngineCore
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
 from pagedjax.output_processor import OutputProcessor
@@ -37,6 +40,10 @@ class LLMEngine:
         params: Params | None = None,
         tokenizer=None,
     ):
+        # Processes join before JAX touches a device; then the leader schedules.
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        self.channel = StepChannel() if jax.process_count() > 1 else None
+        self.is_leader = self.channel is None or self.channel.is_leader
         platform = current_platform()
         if config.block_size is None:
             config = replace(config, block_size=platform.default_block_size)
@@ -48,7 +55,11 @@ class LLMEngine:
         pool.shutdown(wait=False)  # the load already submitted runs on
         # One engine core per data-parallel replica, each on its own devices.
         replicas = replica_devices(config) or [None]
-        workers = [Worker(config, platform, model_config, params, d) for d in replicas]
+        self.workers = [
+            Worker(config, platform, model_config, params, devices, self.channel, replica)
+            for replica, devices in enumerate(replicas)
+        ]
+        workers = self.workers
         # The worker decides "auto" options once (the dtype): the engine's config holds them.
         config = self.config = workers[0].config
         cores = [EngineCore(config, worker) for worker in workers]
@@ -181,6 +192,29 @@ class LLMEngine:
         if stopped:
             self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    # ------------------------------------------------------------ several hosts
+
+    def end_call(self, result: object = None) -> None:
+        """Leader: the user's call (a `generate`) is done; followers return `result`."""
+        if self.channel is not None:
+            self.channel.send(("end", 0, result))
+
+    def follow(self) -> object:
+        """Follower: makes the device calls of the leader's engine until its call ends;
+        returns the leader's result (None when the leader shut down)."""
+        while True:
+            kind, replica, payload = self.channel.receive()
+            if kind == "end":
+                return payload
+            if kind == "stop":
+                return None
+            self.workers[replica].follow(kind, payload)
+
+    def shutdown(self) -> None:
+        """Leader: releases the followers for good (they stop following)."""
+        if self.channel is not None and self.is_leader:
+            self.channel.send(("stop", 0, None))
 
     @property
     def num_generated_tokens(self) -> int:

@@ -86,7 +86,7 @@ class EngineCore:
 
     def warmup(self) -> float:
         """Compiles every step shape now; returns the seconds spent."""
-        return self.worker.runner.warmup()
+        return self.worker.warmup()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedules and dispatches a step; returns what each sequence that progressed got.

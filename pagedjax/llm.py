@@ -72,7 +72,13 @@ class LLM:
         """Runs the prompts to completion; outputs come back in input order.
 
         As in vLLM, the requests ask for their final output only (`RequestOutputKind.FINAL_ONLY`):
-        the engine builds no output for a request that is still running."""
+        the engine builds no output for a request that is still running.
+
+        Over several processes (`pagedjax/distributed.py`) every process calls this with the
+        same arguments: process 0 runs the engine, the others its device calls, and all
+        return process 0's outputs."""
+        if not self.llm_engine.is_leader:
+            return self.llm_engine.follow() or []
         ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         finished: dict[str, RequestOutput] = {}
         bar = None
@@ -99,14 +105,20 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [finished[i] for i in ids]
+        outputs = [finished[i] for i in ids]
+        self.llm_engine.end_call(outputs)
+        return outputs
 
     def stream(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yields each request's output whenever it has new tokens; `deltas` holds new text."""
+        """Yields each request's output whenever it has new tokens; `deltas` holds new text.
+        Over several processes, only process 0 yields outputs."""
+        if not self.llm_engine.is_leader:
+            self.llm_engine.follow()
+            return
         ids = self._add(prompts, sampling_params)
         pending = set(ids)
         try:
@@ -119,6 +131,7 @@ class LLM:
         finally:
             if pending:
                 self.llm_engine.abort_request(list(pending))
+            self.llm_engine.end_call()
 
     def chat(
         self,

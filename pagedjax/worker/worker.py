@@ -32,6 +32,7 @@ from models.tensor_parallel import (
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import SchedulerOutput
+from pagedjax.distributed import StepChannel
 from pagedjax.kv_scales import calibrate_kv_scales, calibration_prompts, describe, load_kv_scales
 from pagedjax.platforms import Platform
 from pagedjax.worker.model_runner import ModelRunner, StepHandle, activation_bytes
@@ -88,9 +89,15 @@ class Worker:
         model_config: ModelConfig | None = None,
         params: Params | None = None,
         devices: Sequence[jax.Device] | None = None,
+        channel: StepChannel | None = None,
+        replica: int = 0,
     ):
         """devices: the engine's devices (tensor_parallel_size of them); None: JAX's default
-        device."""
+        device. channel: where the devices span processes, the leader's worker sends each
+        device call's inputs on it and the followers' make the same calls
+        (`pagedjax/distributed.py`); replica names this worker in its messages."""
+        self.channel, self.replica = channel, replica
+        self._last: StepHandle | None = None  # a follower's last step, for placeholders
         given = model_config is not None and params is not None
         config = replace(config, dtype=resolve_dtype(config, platform, params if given else None))
         self.config, self.platform = config, platform
@@ -164,6 +171,8 @@ class Worker:
             self.attention = backend
             try:
                 self.num_blocks = self.determine_num_blocks()
+                if self.channel is not None:  # memory differs a little between hosts
+                    self.num_blocks = self.channel.share(self.num_blocks)
                 self.runner = ModelRunner(
                     config,
                     self.model_config,
@@ -311,13 +320,36 @@ class Worker:
     def execute_model(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are
         `previous`'s samples."""
-        return self.runner.dispatch(
-            out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs, previous
-        )
+        inputs = (out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
+        self._publish("step", (*inputs, previous is not None))
+        return self.runner.dispatch(*inputs, previous)
+
+    def warmup(self) -> float:
+        """Compiles every step shape; returns the seconds spent."""
+        self._publish("warmup", None)
+        return self.runner.warmup()
+
+    def _publish(self, kind: str, payload: object) -> None:
+        """The leader tells the followers which device call comes next."""
+        if self.channel is not None:
+            self.channel.send((kind, self.replica, payload))
+
+    def follow(self, kind: str, payload: object) -> None:
+        """A follower makes the device call the leader's worker announced."""
+        if kind == "step":
+            *inputs, has_previous = payload
+            self._last = self.runner.dispatch(*inputs, self._last if has_previous else None)
+        elif kind == "warmup":
+            self.runner.warmup()
+        elif kind == "reset":
+            self.runner.reset_kv_cache()
+        else:
+            raise ValueError(f"unknown device call {kind!r} from the leader")
 
     def kv_cache_lost(self) -> bool:
         """Whether a failed step consumed the donated pool (every request's KV with it)."""
         return self.runner.kv_cache_lost()
 
     def reset_kv_cache(self) -> None:
+        self._publish("reset", None)
         self.runner.reset_kv_cache()

@@ -29,6 +29,7 @@ multiple of T; their logits are cut before sampling.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -227,3 +228,13 @@ def local_bytes(tree) -> dict[int, int]:
         for shard in getattr(leaf, "addressable_shards", ()):  # host arrays hold none
             held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
     return held
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective a compiled module's HLO text holds (an async pair counts
+    once). A scanned layer's collectives appear once, in the loop body."""
+    found = re.findall(rf"\s({'|'.join(COLLECTIVES)})(?:-start)?\(", hlo_text)
+    return {name: found.count(name) for name in COLLECTIVES}

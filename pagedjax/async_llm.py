@@ -167,6 +167,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout)
+            self.engine.shutdown()  # other hosts' processes stop following
 
     # ------------------------------------------------------------- engine thread
 

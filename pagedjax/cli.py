@@ -21,6 +21,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     parser.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, fp8, ...")
     _add_kv_scale_args(parser)
+    _add_parallel_args(parser)
 
 
 def _kv_cache_scales(text: str) -> float | str:
@@ -46,10 +47,32 @@ def _add_kv_scale_args(parser: argparse._ActionsContainer) -> None:
     )
 
 
+def _add_parallel_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "-tp", "--tensor-parallel-size", type=int, default=None, help="devices per model copy"
+    )
+    parser.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=None, help="model copies (replicas)"
+    )
+    hosts = "several hosts (one process each): "
+    parser.add_argument("--coordinator-address", default=None, help=hosts + "process 0's host:port")
+    parser.add_argument("--num-processes", type=int, default=None, help=hosts + "how many")
+    parser.add_argument("--process-id", type=int, default=None, help=hosts + "this one's id")
+
+
+PARALLEL_OPTIONS = (
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+)
+
+
 def _make_llm(args: argparse.Namespace):
     from pagedjax.llm import LLM
 
-    names = ("kv_cache_dtype", "calculate_kv_scales", "kv_cache_scales")
+    names = ("kv_cache_dtype", "calculate_kv_scales", "kv_cache_scales", *PARALLEL_OPTIONS)
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return LLM(args.model, max_model_len=args.max_model_len, **options)
 
@@ -89,7 +112,8 @@ def _generate(args: argparse.Namespace) -> int:
         if len(prompts) == 1:
             print()
     else:
-        for output in llm.generate(prompts, params, use_tqdm=False):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for output in outputs if llm.llm_engine.is_leader else ():  # process 0 prints
             print(output.outputs[0].text.strip())
     if args.verbose:
         stats = llm.llm_engine.stats()
@@ -195,6 +219,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
     )
     _add_kv_scale_args(engine)
+    _add_parallel_args(engine)
     engine.add_argument(
         "--no-attention-fallback",
         dest="attention_fallback",

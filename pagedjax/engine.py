@@ -200,12 +200,13 @@ class LLMEngine:
         if self.channel is not None:
             self.channel.send(("end", 0, result))
 
-    def follow(self) -> object:
-        """Follower: makes the device calls of the leader's engine until its call ends;
-        returns the leader's result (None when the leader shut down)."""
+    def follow(self, until_stop: bool = False) -> object:
+        """Follower: makes the device calls of the leader's engine until its call ends (or,
+        `until_stop`, until it shuts down); returns the leader's result (None when the
+        leader shut down)."""
         while True:
             kind, replica, payload = self.channel.receive()
-            if kind == "end":
+            if kind == "end" and not until_stop:
                 return payload
             if kind == "stop":
                 return None

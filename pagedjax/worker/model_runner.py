@@ -501,6 +501,56 @@ class ModelRunner:
     def kv_cache_lost(self) -> bool:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
+    def _padding_step(self, t_pad: int, width: int) -> tuple:
+        """The forward's arguments for a step of only padding at bucket t_pad and width: it
+        writes nothing and reads masked pages."""
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        metadata = AttentionMetadata(
+            slot_mapping=np.full(t_pad, PAD_SLOT, np.int32),
+            block_tables=np.full((s_pad, width), NULL_BLOCK, np.int32),
+            seq_lens=np.zeros(s_pad, np.int32),
+            query_start_loc=np.zeros(s_pad + 1, np.int32),
+            num_seqs=np.int32(0),
+            num_tokens=np.int32(0),
+        )
+        zeros = np.zeros(t_pad, np.int32)
+        return (
+            self.params,
+            zeros,
+            zeros,
+            self.kv_cache,
+            metadata,
+            np.zeros(s_pad, np.int32),
+            np.zeros((0, 2), np.int32),
+            np.full(t_pad, -1, np.int32),
+            self._no_previous,
+        )
+
+    def lower_step(self, num_tokens: int, **lowering) -> jax.stages.Lowered:
+        """The step at num_tokens' bucket (decode-only if a step of it can be), lowered
+        without running, for inspection: its HLO, its collectives under tensor parallelism.
+        `lowering`: `Traced.lower`'s options (lowering_platforms=("cuda",) on a CPU)."""
+        t_pad = self._bucket_tokens(num_tokens)
+        (params, tokens, positions, cache, metadata, rows, copies, sources, previous) = (
+            self._padding_step(t_pad, self.width_buckets[0])
+        )
+        traced = _forward_step.trace(
+            params,
+            tokens,
+            sources,
+            previous,
+            positions,
+            cache,
+            metadata,
+            rows,
+            copies,
+            config=self.model_config,
+            attention_fn=self.attention,
+            decode_only=self._step_variants(t_pad)[0],
+            tp=self.tp,
+        )
+        return traced.lower(**lowering)
+
     def warmup(self, probe: bool = False) -> float:
         """Compiles the forward for every token and width bucket (and decode_only variant a
         step of the bucket can take), and the greedy sampler for every row bucket; returns the
@@ -513,27 +563,9 @@ class ModelRunner:
         for t_pad in token_buckets:
             s_pad = min(t_pad, self.max_seqs_bucket)
             for width in self.width_buckets[:1] if probe else self.width_buckets:
-                metadata = AttentionMetadata(  # all padding: writes nothing, reads masked
-                    slot_mapping=np.full(t_pad, PAD_SLOT, np.int32),
-                    block_tables=np.full((s_pad, width), NULL_BLOCK, np.int32),
-                    seq_lens=np.zeros(s_pad, np.int32),
-                    query_start_loc=np.zeros(s_pad + 1, np.int32),
-                    num_seqs=np.int32(0),
-                    num_tokens=np.int32(0),
-                )
-                zeros = np.zeros(t_pad, np.int32)
                 for decode_only in self._step_variants(t_pad):
                     logits, self.kv_cache = self._forward(
-                        self.params,
-                        zeros,
-                        zeros,
-                        self.kv_cache,
-                        metadata,
-                        np.zeros(s_pad, np.int32),
-                        np.zeros((0, 2), np.int32),
-                        np.full(t_pad, -1, np.int32),
-                        self._no_previous,
-                        decode_only=decode_only,
+                        *self._padding_step(t_pad, width), decode_only=decode_only
                     )
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)

@@ -18,6 +18,7 @@ from dataclasses import fields
 from importlib import metadata
 from pathlib import Path
 
+import jax
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -266,6 +267,10 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         core = LLMEngine(EngineConfig.from_options(args.model, **engine_options(args)))
+        if not core.is_leader:  # another host's process: make process 0's device calls
+            logger.info("process %d follows process 0's engine", jax.process_index())
+            core.follow(until_stop=True)
+            return 0
         engine = AsyncLLM(engine=core, max_waiting_requests=args.max_waiting_requests)
     except ValueError as e:  # a bad option or model: its message says what to change
         raise SystemExit(f"pagedjax serve: {e}") from e

@@ -1,0 +1,141 @@
+"""The parallel engine's cases, run in a process of its own by tests/test_parallel.py.
+
+JAX fixes its device count when it starts, so the tests cannot make 8 CPU devices in the
+pytest process: this script sets XLA_FLAGS before importing JAX, runs the cases and prints
+one JSON line of results for the tests to check.
+
+    python tests/parallel_cases.py engines MODEL_DIR WINDOW_MODEL_DIR
+    python tests/parallel_cases.py process MODEL_DIR COORDINATOR NUM_PROCESSES PROCESS_ID
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODES = ("engines", "process")
+
+if __name__ == "__main__" and sys.argv[1] == "engines":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BLOCK = 16
+SMALL_POOL = dict(num_kv_blocks=14, block_size=BLOCK, max_model_len=128, max_num_batched_tokens=64)
+
+
+def prompts() -> list[list[int]]:
+    """Four prompts sharing a 40-token prefix (two full blocks), and four of their own."""
+    shared = [(7 * i) % 120 + 3 for i in range(40)]
+    tails = [[(11 * i + j) % 120 + 3 for j in range(5 + i)] for i in range(4)]
+    own = [[(13 * i + 5 * j) % 120 + 3 for j in range(9 + 6 * i)] for i in range(4)]
+    return [shared + t for t in tails] + own
+
+
+def generate(llm, params_list) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts(), params_list, False)]
+
+
+def engine_case(model_dir: str, tp: int, dp: int) -> dict:
+    from pagedjax import LLM, SamplingParams
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SMALL_POOL)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    pair = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+    params_list = [pair if i == 1 else greedy for i in range(len(prompts()))]
+    first = generate(llm, params_list)
+    again = generate(llm, params_list)  # the prefix cache holds every prompt now
+    stats = llm.llm_engine.stats()
+    result = {
+        "tokens": first,
+        "again": again,
+        "preemptions": stats["num_preemptions"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "memory": {k: v for k, v in stats.items() if "bytes" in k or k == "num_devices"},
+    }
+    if dp > 1:
+        core = llm.llm_engine.engine_core
+        result["replica_prompt_tokens"] = [s["num_prompt_tokens"] for s in stats["replicas"]]
+        request, _ = llm.llm_engine.process_request("probe", prompts()[0][:40] + [9, 9, 9])
+        chosen = core.choose_replica(request)
+        hashes = core._prompt_hashes(request)
+        result["affinity"] = {
+            "chosen": chosen,
+            "cached": [c.kv_cache_manager.num_cached_prefix_blocks(hashes) for c in core.cores],
+        }
+    return result
+
+
+def layout_case(model_dir: str, tp: int) -> dict:
+    """Per-device bytes of every weight and of the pool, the compiled step's collectives,
+    and the step lowered for CUDA with the Pallas kernels inside shard_map."""
+    import jax
+
+    from models.tensor_parallel import count_collectives
+    from pagedjax import LLM
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, attention_backend="pallas", **SMALL_POOL)
+    worker = llm.llm_engine.workers[0]
+    # Traced for the GPU: the kernels compiled (not interpreted) under the lowering.
+    os.environ["PAGEDJAX_PALLAS_INTERPRET"] = "0"
+    from benchmarks.triton_compile import triton_call_targets
+
+    cuda = {}
+    for tokens in (1, 64):
+        lowered = worker.runner.lower_step(tokens, lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        cuda[tokens] = {
+            "triton_calls": len(triton_call_targets(lowered)),
+            "all_reduce": text.count("stablehlo.all_reduce"),
+            "all_gather": text.count("stablehlo.all_gather"),
+        }
+    os.environ["PAGEDJAX_PALLAS_INTERPRET"] = "1"
+    weights = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(worker.params):
+        name = jax.tree_util.keystr(path)
+        weights[name] = [leaf.nbytes, [s.data.nbytes for s in leaf.addressable_shards]]
+    pool = {
+        name: [leaf.nbytes, [s.data.nbytes for s in leaf.addressable_shards]]
+        for name, leaf in (("k", worker.runner.kv_cache.k), ("v", worker.runner.kv_cache.v))
+    }
+    xla = LLM(model_dir, tensor_parallel_size=tp, attention_backend="xla", **SMALL_POOL)
+    runner = xla.llm_engine.workers[0].runner
+    collectives = {
+        tokens: count_collectives(runner.lower_step(tokens).compile().as_text())
+        for tokens in (1, 64)
+    }
+    return {"weights": weights, "pool": pool, "collectives": collectives, "cuda": cuda}
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "engines":
+        model_dir, window_dir = sys.argv[2], sys.argv[3]
+        results = {
+            f"llama/{tp}x{dp}": engine_case(model_dir, tp, dp)
+            for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))
+        }
+        for tp in (1, 2):  # one KV head: replicated on both shards
+            results[f"window/{tp}x1"] = engine_case(window_dir, tp, 1)
+        results["layout"] = layout_case(model_dir, 2)
+    else:
+        from pagedjax import LLM, SamplingParams
+
+        model_dir, coordinator, num_processes, process_id = sys.argv[2:6]
+        options = dict(SMALL_POOL)
+        if int(num_processes) > 1:
+            options.update(
+                coordinator_address=coordinator,
+                num_processes=int(num_processes),
+                process_id=int(process_id),
+                tensor_parallel_size=int(num_processes),
+            )
+        llm = LLM(model_dir, **options)
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        results = {"tokens": generate(llm, greedy), "again": generate(llm, greedy)}
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Tensor and data parallelism on 8 CPU devices, and two processes joined by jax.distributed.
+
+The engines run in subprocesses (`tests/parallel_cases.py`): JAX's CPU device count is fixed
+when it starts. Tiny float32 models; greedy tokens must not change with the split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("parallel_cases.py")
+
+
+def run_cases(*args: str, timeout: float = 600) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def results_of(process: subprocess.Popen, timeout: float = 600) -> dict:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-4000:]
+    line = next(line for line in out.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model_dir) -> dict:
+    llama, _ = tiny_model_dir("llama")  # 4 query heads, 2 KV heads
+    window, _ = tiny_model_dir("mistral_window")  # 4 query heads, 1 KV head
+    return results_of(run_cases("engines", str(llama), str(window)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["2x1", "4x1", "1x2", "2x2"])
+@pytest.mark.slow
+def test_greedy_tokens_do_not_change_with_the_split(cases, split):
+    """T x D against one device: n=2, shared prefixes, preemption, and a second run served
+    from the prefix cache. T=4 has more shards than KV heads (replicated)."""
+    one, split_run = cases["llama/1x1"], cases[f"llama/{split}"]
+    assert split_run["tokens"] == one["tokens"]
+    assert split_run["again"] == one["tokens"]
+    assert len(one["tokens"][1]) == 2  # the n=2 request's two sequences
+    assert split_run["preemptions"] > 0
+    assert split_run["prefix_cache_hit_rate"] > 0.3
+
+
+@pytest.mark.slow
+def test_one_kv_head_is_replicated_on_two_shards(cases):
+    assert cases["window/2x1"]["tokens"] == cases["window/1x1"]["tokens"]
+    memory = cases["window/2x1"]["memory"]
+    # Each shard holds the one KV head: per device as much pool as one device, twice in all.
+    assert memory["kv_cache_bytes_total"] == 2 * memory["kv_cache_bytes_per_device"]
+    assert (
+        memory["kv_cache_bytes_per_device"] == cases["window/1x1"]["memory"]["kv_cache_bytes_total"]
+    )
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_share_the_load_and_keep_prefix_affinity(cases):
+    dp = cases["llama/1x2"]
+    assert all(tokens > 0 for tokens in dp["replica_prompt_tokens"])
+    affinity = dp["affinity"]  # a new prompt with the shared prefix goes where it is cached
+    assert affinity["cached"][affinity["chosen"]] == 2
+    assert min(affinity["cached"]) == 0
+    assert dp["memory"]["num_devices"] == 2
+
+
+@pytest.mark.slow
+def test_every_weight_and_the_pool_are_split(cases):
+    """Split weights hold 1/T of their bytes on each device; only the norms are replicated."""
+    layout = cases["layout"]
+    replicated = {"['final_norm']", "['layers']['attn_norm']", "['layers']['mlp_norm']"}
+    for name, (total, shards) in layout["weights"].items():
+        assert len(shards) == 2
+        expected = total if name in replicated else total // 2
+        assert shards == [expected, expected], name
+    for name, (total, shards) in layout["pool"].items():
+        assert shards == [total // 2, total // 2], name
+
+
+@pytest.mark.slow
+def test_the_compiled_step_holds_the_expected_collectives(cases):
+    """Per step: the vocabulary-parallel embedding's all-reduce, the two row-parallel
+    all-reduces of the (scanned, so counted once) layer, the logits' all-gather; nothing
+    else, for a decode and a mixed bucket."""
+    expected = {
+        "all-reduce": 3,
+        "all-gather": 1,
+        "reduce-scatter": 0,
+        "collective-permute": 0,
+        "all-to-all": 0,
+    }
+    for tokens, counts in cases["layout"]["collectives"].items():
+        assert counts == expected, tokens
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_step_lowers_for_cuda_with_the_pallas_kernels(cases):
+    for tokens, lowered in cases["layout"]["cuda"].items():
+        assert lowered["triton_calls"] >= 1, tokens
+        assert (lowered["all_reduce"], lowered["all_gather"]) == (3, 1), tokens
+
+
+@pytest.mark.slow
+def test_per_device_memory_is_reported(cases):
+    one, two = cases["llama/1x1"]["memory"], cases["llama/2x1"]["memory"]
+    assert two["num_devices"] == 2
+    assert two["kv_cache_bytes_per_device"] * 2 == two["kv_cache_bytes_total"]
+    assert two["kv_cache_bytes_total"] == one["kv_cache_bytes_total"]
+    assert two["weights_bytes_per_device"] < one["weights_bytes_total"] / 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_on_jax_distributed_match_one(tiny_model_dir):
+    """Two processes (one CPU device each) joined by jax.distributed, the model split over
+    both, against one process: the same tokens, returned by both processes."""
+    llama, _ = tiny_model_dir("llama")
+    coordinator = f"localhost:{free_port()}"
+    processes = [run_cases("process", str(llama), coordinator, "2", str(i)) for i in range(2)]
+    single = results_of(run_cases("process", str(llama), "-", "1", "0"))
+    leader, follower = (results_of(p, timeout=300) for p in processes)
+    assert leader == single
+    assert follower == single
+
+
+# --- fast checks, in this process (one device) --------------------------------------------
+
+
+def test_kv_heads_are_replicated_to_the_least_common_multiple():
+    from models.tensor_parallel import tensor_parallel_config
+
+    def config(heads, kv_heads, vocab=100):
+        from models.config import ModelConfig
+
+        return ModelConfig(
+            "LlamaForCausalLM", vocab, 64, 96, 2, heads, kv_heads, 16, 1e-6, 1e4, 128, False
+        )
+
+    split, repeat = tensor_parallel_config(config(12, 3), 2)
+    assert (split.num_kv_heads, repeat, split.vocab_size) == (6, 2, 100)
+    split, repeat = tensor_parallel_config(config(8, 2), 8)
+    assert (split.num_kv_heads, repeat) == (8, 4)
+    assert tensor_parallel_config(config(8, 2, vocab=101), 4)[0].vocab_size == 104
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,size,named",
+    [
+        (4, 2, 3, "num_attention_heads 4"),
+        (9, 3, 2, "num_attention_heads 9"),
+        (12, 4, 8, "num_attention_heads 12"),
+    ],
+)
+def test_a_split_that_does_not_divide_says_what(heads, kv_heads, size, named):
+    from models.config import ModelConfig
+    from models.tensor_parallel import TensorParallelError, tensor_parallel_config
+
+    config = ModelConfig(
+        "LlamaForCausalLM", 100, 64, 96, 2, heads, kv_heads, 16, 1e-6, 1e4, 128, False
+    )
+    with pytest.raises(TensorParallelError, match=named):
+        tensor_parallel_config(config, size)
+
+
+def test_too_few_devices_is_a_clear_error_before_loading(tiny_model_dir):
+    from pagedjax import LLM
+
+    path, _ = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="needs 4 devices.*xla_force_host_platform_device_count"):
+        LLM(str(path), tensor_parallel_size=2, data_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be positive"),
+        (dict(data_parallel_size=0), "data_parallel_size must be positive"),
+        (
+            dict(tensor_parallel_size=2, kv_cache_dtype="fp8", calculate_kv_scales=True),
+            "calibrate with tensor_parallel_size=1",
+        ),
+    ],
+)
+def test_parallel_options_are_checked(options, message):
+    from pagedjax.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)

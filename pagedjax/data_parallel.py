@@ -75,11 +75,13 @@ class DataParallelCore:
         """Unfinished sequences (running and waiting) of a replica."""
         return self.cores[replica].num_unfinished_sequences()
 
-    def choose_replica(self, request: EngineRequest) -> int:
-        """The replica for a new request (see the module docstring)."""
+    def choose_replica(self, request: EngineRequest, hashes: list[BlockHash] | None = None) -> int:
+        """The replica for a new request (see the module docstring); `hashes`: its prompt's
+        block hashes, if computed already."""
         loads = [self.load(r) for r in range(len(self.cores))]
         least = min(loads)
-        hashes = self._prompt_hashes(request)
+        if hashes is None:
+            hashes = self._prompt_hashes(request)
         best, best_key = 0, None
         for replica, load in enumerate(loads):
             affinity = self._shared_blocks(replica, hashes) if load <= least + self.slack else 0
@@ -113,10 +115,11 @@ class DataParallelCore:
     # ------------------------------------------------------- the engine core's API
 
     def add_request(self, request: EngineRequest) -> None:
-        replica = self.choose_replica(request)
+        hashes = self._prompt_hashes(request)
+        replica = self.choose_replica(request, hashes)
         self.cores[replica].add_request(request)
         self._replica_of[request.request_id] = replica
-        self._remember(replica, self._prompt_hashes(request))
+        self._remember(replica, hashes)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         self.cores[0].check_fits(num_prompt_tokens, max_tokens, n)  # replicas are alike

@@ -77,12 +77,14 @@ def layout_case(model_dir: str, tp: int) -> dict:
 
     llm = LLM(model_dir, tensor_parallel_size=tp, attention_backend="pallas", **SMALL_POOL)
     worker = llm.llm_engine.workers[0]
-    # Traced for the GPU: the kernels compiled (not interpreted) under the lowering.
+    # Traced for the GPU: the kernels compiled (not interpreted) under the lowering. jax 0.11
+    # lowers Triton only for a GPU it sees or an abstract mesh, which a concrete CPU mesh's
+    # shard_map refuses: there the lowering is left to the GPU check.
     os.environ["PAGEDJAX_PALLAS_INTERPRET"] = "0"
     from benchmarks.triton_compile import triton_call_targets
 
     cuda = {}
-    for tokens in (1, 64):
+    for tokens in (1, 64) if jax.__version_info__ < (0, 11) else ():
         lowered = worker.runner.lower_step(tokens, lowering_platforms=("cuda",))
         text = lowered.as_text()
         cuda[tokens] = {
@@ -99,13 +101,48 @@ def layout_case(model_dir: str, tp: int) -> dict:
         name: [leaf.nbytes, [s.data.nbytes for s in leaf.addressable_shards]]
         for name, leaf in (("k", worker.runner.kv_cache.k), ("v", worker.runner.kv_cache.v))
     }
+    # The kernels run per shard (interpreted here): the first tokens of two prompts.
+    from pagedjax import SamplingParams
+
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    pallas_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts()[:2], short, False)]
     xla = LLM(model_dir, tensor_parallel_size=tp, attention_backend="xla", **SMALL_POOL)
     runner = xla.llm_engine.workers[0].runner
     collectives = {
         tokens: count_collectives(runner.lower_step(tokens).compile().as_text())
         for tokens in (1, 64)
     }
-    return {"weights": weights, "pool": pool, "collectives": collectives, "cuda": cuda}
+    return {
+        "weights": weights,
+        "pool": pool,
+        "collectives": collectives,
+        "cuda": cuda,
+        "pallas_tokens": pallas_tokens,
+    }
+
+
+def async_case(model_dir: str) -> list[list[int]]:
+    """AsyncLLM over two data-parallel replicas: concurrent requests, greedy tokens."""
+    import asyncio
+
+    from pagedjax import SamplingParams
+    from pagedjax.async_llm import AsyncLLM
+
+    engine = AsyncLLM(model_dir, data_parallel_size=2, **SMALL_POOL)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def one(index: int, prompt: list[int]) -> list[int]:
+        async for output in engine.generate(prompt, greedy, request_id=str(index)):
+            final = output
+        return final.outputs[0].token_ids
+
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.shutdown()
 
 
 def main() -> None:
@@ -119,6 +156,7 @@ def main() -> None:
         for tp in (1, 2):  # one KV head: replicated on both shards
             results[f"window/{tp}x1"] = engine_case(window_dir, tp, 1)
         results["layout"] = layout_case(model_dir, 2)
+        results["async/1x2"] = async_case(model_dir)
     else:
         from pagedjax import LLM, SamplingParams
 

@@ -510,8 +510,13 @@ def test_models_health_version_metrics_tokenize_detokenize(server, client):
         "pagedjax:time_per_output_token_seconds_count",
         "pagedjax:e2e_request_latency_seconds_count",
         "pagedjax:request_success_total",
+        "pagedjax:num_devices",
+        "pagedjax:kv_cache_bytes_per_device",
+        "pagedjax:weights_bytes_total",
     ):
         assert name in metrics, name
+    assert metrics["pagedjax:num_devices"] == 1
+    assert metrics["pagedjax:kv_cache_bytes_per_device"] > 0
     assert metrics["pagedjax:e2e_request_latency_seconds_count"] >= 1
     assert metrics["pagedjax:kv_cache_blocks_total"] == ENGINE_OPTIONS["num_kv_blocks"] - 1
     assert json.loads(httpx.get(f"{server.url}/v1/models").text)["object"] == "list"

@@ -39,6 +39,17 @@ _GAUGES = {
         "pagedjax:prefix_cache_hit_rate",
         "Share of queried prompt tokens the prefix cache served.",
     ),
+    "num_devices": ("pagedjax:num_devices", "Devices the engine runs on (all replicas)."),
+    "weights_bytes_per_device": (
+        "pagedjax:weights_bytes_per_device",
+        "Bytes of weights on the fullest device.",
+    ),
+    "weights_bytes_total": ("pagedjax:weights_bytes_total", "Bytes of weights on all devices."),
+    "kv_cache_bytes_per_device": (
+        "pagedjax:kv_cache_bytes_per_device",
+        "Bytes of KV pool on the fullest device.",
+    ),
+    "kv_cache_bytes_total": ("pagedjax:kv_cache_bytes_total", "Bytes of KV pool on all devices."),
 }
 _COUNTERS = {
     "num_preemptions": ("pagedjax:num_preemptions", "Preemptions since start-up."),

@@ -1,0 +1,88 @@
+"""Tensor and data parallelism on forced CPU devices: W1's tokens/s per split, the tokens
+against one device's, and the collectives each compiled step holds.
+
+    python benchmarks/parallel.py [--configs 1x1,3x1,1x2] [--requests 32] [--tokens 128]
+        [--model DIR]
+
+Each config is TxD (tensor_parallel_size x data_parallel_size); the CPU gets as many devices
+as the largest needs (XLA_FLAGS=--xla_force_host_platform_device_count, set before JAX
+starts), all of them sharing this machine's cores, so no speedup is expected: the point is
+that the tokens do not change and what the split communicates. The default model's 9 query
+heads split over 3 devices, not 2. Writes results/parallel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="1x1,3x1,1x2", help="TxD splits, the base first")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    args = parser.parse_args()
+    configs = parse_configs(args.configs)
+    devices = max(t * d for t, d in configs)
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    from report import report  # benchmarks/ is the script directory
+    from workloads import kv_blocks, make_prompts
+
+    from models.tensor_parallel import count_collectives
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    result: dict = {"workload": f"W1: {args.requests} prompts x {args.tokens} tokens, greedy"}
+    result["devices"] = devices
+    base_tokens = None
+    base_rate = None
+    for t, d in configs:
+        llm = LLM(
+            args.model,
+            max_model_len=512,
+            num_kv_blocks=kv_blocks(args.requests, 200 + args.tokens, 64),
+            block_size=64,
+            tensor_parallel_size=t,
+            data_parallel_size=d,
+        )
+        engine = llm.llm_engine
+        prompts = make_prompts(llm.get_tokenizer(), args.requests)
+        warmup_s = engine.engine_core.warmup()
+        compiled = engine.stats()["num_compilations"]
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        rate = sum(map(len, tokens)) / elapsed
+        base_tokens = base_tokens or tokens
+        base_rate = base_rate or rate
+        key = f"{t}x{d}"
+        result[f"{key}_output_tokens_per_s"] = rate
+        result[f"{key}_vs_{configs[0][0]}x{configs[0][1]}"] = rate / base_rate
+        result[f"{key}_same_tokens"] = tokens == base_tokens
+        result[f"{key}_warmup_s"] = warmup_s
+        result[f"{key}_compilations_after_warmup"] = engine.stats()["num_compilations"] - compiled
+        if t > 1:
+            runner = engine.workers[0].runner
+            for bucket in (1, runner.token_buckets[-1]):
+                text = runner.lower_step(bucket).compile().as_text()
+                counts = {k: v for k, v in count_collectives(text).items() if v}
+                result[f"{key}_collectives_step_{bucket}_tokens"] = counts
+        del llm, engine
+    report("parallel", result)
+
+
+if __name__ == "__main__":
+    main()

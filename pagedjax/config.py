@@ -16,6 +16,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2 model
+    tokenizer: str | None = None  # a directory holding the tokenizer; None: the model's
     max_model_len: int = 2048  # prompt + output tokens of one request
     block_size: int | None = None  # tokens per KV block; None: the platform's default
     num_kv_blocks: int | None = None  # explicit pool size (the null block included)
@@ -70,12 +71,13 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> EngineConfig:
-        """The config of `LLM(model, **options)`: a TypeError names unknown options."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(model=model, **options)
+        """The config of `LLM(model, **options)`: EngineConfig's fields, and vLLM's engine
+        keywords (`pagedjax/vllm_compat.py`); a TypeError names unknown options, a
+        ValueError a vLLM keyword's unsupported value."""
+        from pagedjax.vllm_compat import split_options
+
+        known = {f.name for f in fields(cls)} - {"model"}
+        return cls(model=model, **split_options(options, known))
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

@@ -161,6 +161,12 @@ class DataParallelCore:
     def has_step_in_flight(self) -> bool:
         return any(core.has_step_in_flight() for core in self.cores)
 
+    def reset_prefix_cache(self) -> bool:
+        if self.has_unfinished_requests() or self.has_step_in_flight():
+            return False
+        self._routed.clear()
+        return all(core.reset_prefix_cache() for core in self.cores)
+
     def warmup(self) -> float:
         return sum(core.warmup() for core in self.cores)
 

@@ -25,6 +25,7 @@ from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.distributed import StepChannel
 from pagedjax.engine_core import EngineCore
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
+from pagedjax.inputs import Prompt, PromptType, parse_prompt
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.platforms import current_platform
@@ -51,7 +52,8 @@ class LLMEngine:
         # The tokenizer loads on a thread while the weights load and pack: most of its time is
         # importing transformers, and the weights' numpy work releases the GIL.
         pool = ThreadPoolExecutor(1)
-        pending = pool.submit(load_tokenizer, config.model) if tokenizer is None else None
+        source = config.tokenizer or config.model
+        pending = pool.submit(load_tokenizer, source) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
         # One engine core per data-parallel replica, each on its own devices.
         replicas = replica_devices(config) or [None]
@@ -89,7 +91,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: PromptType | Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -107,7 +109,7 @@ class LLMEngine:
     def process_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: PromptType | Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -116,6 +118,11 @@ class LLMEngine:
         on another thread (AsyncLLM's) can do it while steps run; raises ValueError on bad
         input. Returns the request and its prompt text (None for token ids)."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        prompt = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
         prompt_text, prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # left truncation
@@ -138,6 +145,7 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             min_tokens_banned=stop_ids | self.eos_token_ids,
         )
+        request.cache_salt = prompt.cache_salt  # a key of its prefix-cache blocks
         return request, prompt_text
 
     def add_processed_request(self, request: EngineRequest, prompt_text: str | None) -> None:
@@ -151,25 +159,20 @@ class LLMEngine:
         )
         self.engine_core.add_request(request)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids, text = list(prompt), None
-            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
-            vocab = self.model_config.vocab_size
-            out_of_range = [t for t in ids if not 0 <= t < vocab]
-            if out_of_range:
-                raise InvalidRequestError(
-                    f"prompt token ids {out_of_range[:5]} are outside the vocabulary [0, {vocab})"
-                )
-            ids = [int(t) for t in ids]
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        ids = self.tokenizer.encode(prompt.text) if prompt.token_ids is None else prompt.token_ids
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
+        vocab = self.model_config.vocab_size
+        out_of_range = [t for t in ids if not 0 <= t < vocab]
+        if out_of_range:
+            raise InvalidRequestError(
+                f"prompt token ids {out_of_range[:5]} are outside the vocabulary [0, {vocab})"
+            )
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
-        return text, ids
+        return prompt.text, [int(t) for t in ids]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Frees everything the requests hold; unknown or finished ids are ignored. Returns
@@ -181,6 +184,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (nothing changed) while requests run."""
+        return self.engine_core.reset_prefix_cache()
 
     # ---------------------------------------------------------------------- step
 

@@ -84,6 +84,14 @@ class EngineCore:
         """Raises ValueError if such a request could never run (see Scheduler.check_fits)."""
         self.scheduler.check_fits(num_prompt_tokens, max_tokens, n)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (nothing changed) while requests hold
+        blocks or a step is in flight."""
+        if self.has_unfinished_requests() or self.has_step_in_flight():
+            return False
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
     def warmup(self) -> float:
         """Compiles every step shape now; returns the seconds spent."""
         return self.worker.warmup()

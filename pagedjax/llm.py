@@ -7,16 +7,40 @@ from dataclasses import replace
 
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
+from pagedjax.errors import InvalidRequestError
+from pagedjax.inputs import PromptType, parse_prompts
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
 
-
-def chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
-    """The token ids of a conversation under the model's chat template, ready for the
-    assistant's reply."""
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+def chat_prompt_ids(
+    tokenizer,
+    conversation: list[dict],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """The token ids of a conversation under the model's chat template (or `chat_template`),
+    ready for the assistant's reply; with `continue_final_message`, the last (assistant)
+    message is left open for the model to continue, as in vLLM and transformers."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be True: continue "
+            "the last message, or start a new one"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+    except ValueError as e:  # no template, or the conversation does not fit it
+        raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -30,32 +54,47 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams (vLLM's defaults)."""
+        return SamplingParams()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (its blocks stay free for reuse); returns False,
+        and changes nothing, while requests are running, as in vLLM."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _add(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         params: SamplingParams | Sequence | None,
         output_kind: RequestOutputKind | None = None,
+        priority: Sequence[int] | None = None,
+        lora_request: object = None,
     ) -> list[str]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request: pagedjax serves no LoRA adapters yet")
+        parsed = parse_prompts(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
+            params = [params or self.get_default_sampling_params()] * len(parsed)
+        params = list(params)
+        if len(params) != len(parsed):
             raise ValueError(
-                f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one "
+                f"got {len(params)} SamplingParams for {len(parsed)} prompts: give one, or one "
                 "per prompt"
+            )
+        priority = [0] * len(parsed) if priority is None else list(priority)
+        if len(priority) != len(parsed):
+            raise ValueError(
+                f"got {len(priority)} priorities for {len(parsed)} prompts: give one per prompt"
             )
         if output_kind is not None:  # one copy per distinct params object, not per prompt
             copies = {id(p): replace(p, output_kind=output_kind) for p in params}
             params = [copies[id(p)] for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(parsed, params, priority, strict=True):
                 request_id = str(self._counter)
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p, priority=rank)
                 self._counter += 1
                 ids.append(request_id)
         except Exception:
@@ -65,11 +104,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        lora_request: object = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts to completion; outputs come back in input order.
+
+        `prompts`: a string, token ids, a `TextPrompt` / `TokensPrompt` dict
+        (`pagedjax.inputs`), or a list of those; `sampling_params`: one for all or one per
+        prompt; `priority`: one per prompt (lower runs first under the "priority" policy).
 
         As in vLLM, the requests ask for their final output only (`RequestOutputKind.FINAL_ONLY`):
         the engine builds no output for a request that is still running.
@@ -79,7 +125,9 @@ class LLM:
         return process 0's outputs."""
         if not self.llm_engine.is_leader:
             return self.llm_engine.follow() or []
-        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
+        ids = self._add(
+            prompts, sampling_params, RequestOutputKind.FINAL_ONLY, priority, lora_request
+        )
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -111,15 +159,17 @@ class LLM:
 
     def stream(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields each request's output whenever it has new tokens; `deltas` holds new text.
         Over several processes, only process 0 yields outputs."""
         if not self.llm_engine.is_leader:
             self.llm_engine.follow()
             return
-        ids = self._add(prompts, sampling_params)
+        ids = self._add(prompts, sampling_params, priority=priority)
         pending = set(ids)
         try:
             while pending:
@@ -138,8 +188,27 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        lora_request: object = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Generates the assistant's reply to a conversation (a list of {"role", "content"}
+        messages) or to each of a batch of them, under the model's chat template or
+        `chat_template`; `chat_template_kwargs` go to the template (vLLM's arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt_ids(self.get_tokenizer(), c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            chat_prompt_ids(
+                tokenizer,
+                list(c),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

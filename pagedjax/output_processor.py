@@ -9,6 +9,7 @@ match them: a stop string finishes the sequence, and the engine tells the core t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedjax.core.engine_request import RequestStatus, request_finished
@@ -18,13 +19,34 @@ from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 
-def logprob_entry(token: int, logprobs, row: int, k: int) -> dict[int, Logprob]:
-    """vLLM's logprobs entry for one position: the chosen token, then the k most likely."""
-    entry = {token: Logprob(float(logprobs.logprobs[row]), int(logprobs.ranks[row]))}
+def logprob_entry(
+    token: int, logprobs, row: int, k: int, decode: Callable[[int], str]
+) -> dict[int, Logprob]:
+    """vLLM's logprobs entry for one position: the chosen token, then the k most likely,
+    each with its text (`decode`)."""
+    entry = {token: Logprob(float(logprobs.logprobs[row]), int(logprobs.ranks[row]), decode(token))}
     top_ids, top_logprobs = logprobs.top_token_ids[row][:k], logprobs.top_logprobs[row][:k]
     for rank, (top_id, logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
-        entry.setdefault(int(top_id), Logprob(float(logprob), rank))
+        top_id = int(top_id)
+        entry.setdefault(top_id, Logprob(float(logprob), rank, decode(top_id)))
     return entry
+
+
+class TokenTexts:
+    """Each token's own text, as vLLM's `Logprob.decoded_token` shows it (the token
+    converted alone: a byte-level token that is part of a character shows as U+FFFD);
+    remembered, since the same tokens come back step after step."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            text = self._texts[token] = self.tokenizer.convert_tokens_to_string([piece])
+        return text
 
 
 @dataclass(slots=True)
@@ -65,6 +87,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_text = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
 
     def add_request(
@@ -144,15 +167,13 @@ class OutputProcessor:
                 del requests[request_id]
         return outputs, stopped
 
-    @staticmethod
-    def _add_prompt_logprobs(state: RequestState, out: EngineCoreOutput) -> None:
+    def _add_prompt_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         entries, prompt = state.prompt_logprobs, state.prompt_token_ids
         first, count = out.prompt_logprobs_rows
+        k = state.params.prompt_logprobs
         for row in range(first, first + count):
             token = prompt[len(entries)]
-            entries.append(
-                logprob_entry(token, out.prompt_logprobs, row, state.params.prompt_logprobs)
-            )
+            entries.append(logprob_entry(token, out.prompt_logprobs, row, k, self.token_text))
 
     def _update_sequence(
         self, state: RequestState, out: EngineCoreOutput, now: float
@@ -167,7 +188,9 @@ class OutputProcessor:
             if out.logprobs is not None and params.logprobs is not None:
                 seq.cumulative_logprob += float(out.logprobs.logprobs[out.logprobs_row])
                 seq.logprobs.append(
-                    logprob_entry(token, out.logprobs, out.logprobs_row, params.logprobs)
+                    logprob_entry(
+                        token, out.logprobs, out.logprobs_row, params.logprobs, self.token_text
+                    )
                 )
             stop_string = seq.detokenizer.update([token])
         status, stop_reason = out.status, out.stop_reason

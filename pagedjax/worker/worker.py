@@ -238,7 +238,9 @@ class Worker:
         if attention.supports(spec) is not None:
             attention = self.platform.attention_backend(config.attention_backend, spec)
         prompts = calibration_prompts(
-            load_tokenizer(config.model), config.max_num_batched_tokens, config.max_model_len
+            load_tokenizer(config.tokenizer or config.model),
+            config.max_num_batched_tokens,
+            config.max_model_len,
         )
         return calibrate_kv_scales(
             self.params,

@@ -20,6 +20,7 @@ from models.llama import Params
 from models.loader import load_tokenizer
 from pagedjax import distributed
 from pagedjax.config import EngineConfig
+from pagedjax.constraints import ConstraintBuilder
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.distributed import StepChannel
@@ -71,6 +72,7 @@ class LLMEngine:
         self.model_config = workers[0].model_config
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.constraints = ConstraintBuilder(self.tokenizer, self.model_config.vocab_size)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(
             self.model_config.eos_token_ids + (() if eos is None else (eos,))
@@ -133,6 +135,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
+        constraints = self.constraints.build(params)  # InvalidRequestError if malformed
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         request = EngineRequest(
             request_id,
@@ -144,6 +147,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             stop_token_ids=stop_ids,
             min_tokens_banned=stop_ids | self.eos_token_ids,
+            constraints=constraints,
         )
         request.cache_salt = prompt.cache_salt  # a key of its prefix-cache blocks
         return request, prompt_text

@@ -44,6 +44,9 @@ class SamplingMetadata:
     output_token_ids: jax.Array  # [S, O] i32, -1 padded (all three penalties)
     bias_token_ids: jax.Array  # [S, K] i32, -1 padded (logit_bias, min_tokens stop masking)
     bias_values: jax.Array  # [S, K] f32
+    # [S, ceil(V / 32)] i32: the tokens each row may sample (bit t of word t // 32), for
+    # allowed_token_ids and structured outputs; None when no row has a mask (its own trace).
+    token_mask: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -253,16 +256,28 @@ def sample(
     uses: penalties, truncation and draws, and the logprobs pass unless some row asks for
     logprobs (num_logprobs None, as SamplingParams.logprobs; 0 returns the sampled tokens'
     logprobs only)."""
+    raw = logits
+    if meta.token_mask is not None:
+        logits = apply_token_mask(logits, meta.token_mask)
     if all_greedy and not use_penalties:
         tokens, finite = kernels.greedy(logits, meta.bias_token_ids, meta.bias_values)
+        if meta.token_mask is not None:  # masked entries are -inf on purpose
+            finite = jnp.all(jnp.isfinite(raw), axis=-1)
     else:
-        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        finite = jnp.all(jnp.isfinite(raw), axis=-1)
         adjusted = apply_penalties(logits, meta) if use_penalties else logits
         adjusted = _add_bias(adjusted, meta.bias_token_ids, meta.bias_values)
         tokens = kernels.draw(adjusted, meta, use_truncation, all_greedy)
     if num_logprobs is None:
         return SamplerOutput(tokens, finite)
-    return SamplerOutput(tokens, finite, kernels.token_logprobs(logits, tokens, num_logprobs))
+    return SamplerOutput(tokens, finite, kernels.token_logprobs(raw, tokens, num_logprobs))
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """-inf for the tokens whose bit is clear in each row's [W] i32 bitmask."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = (mask[:, ids // 32] >> (ids % 32)[None, :]) & 1
+    return jnp.where(bits != 0, logits, _NEG_INF)
 
 
 def build_sampling_metadata(
@@ -275,6 +290,8 @@ def build_sampling_metadata(
     extra_bias: list[dict[int, float]] | None = None,
     history_width: int = 1,
     num_tokens: Sequence[int] | None = None,
+    masks: Sequence[np.ndarray | None] | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
@@ -284,8 +301,10 @@ def build_sampling_metadata(
     (sent only when some row has a penalty) to at least `history_width`: an engine passes its
     max_model_len, so a growing output never changes a shape (no recompile mid-generation).
     `extra_bias` adds per-row biases (the engine masks stop tokens below min_tokens with -inf
-    this way). `num_tokens[i]`: how many of `token_ids[i]` come before the sampled token
-    (default: all; a list may already hold placeholders for this and later samples).
+    this way). `masks`: per row, the [ceil(vocab_size / 32)] bitmask of the tokens it may
+    sample, or None for any. `num_tokens[i]`: how many of `token_ids[i]` come before the
+    sampled token (default: all; a list may already hold placeholders for this and later
+    samples).
     """
     num_rows = num_rows or len(params)
     real = len(params)
@@ -339,7 +358,22 @@ def build_sampling_metadata(
         ),
         bias_token_ids=padded([list(b) for b in biases]),
         bias_values=padded([list(b.values()) for b in biases], np.float32, 0),
+        token_mask=_token_masks(masks, num_rows, vocab_size),
     )
+
+
+def _token_masks(
+    masks: Sequence[np.ndarray | None] | None, num_rows: int, vocab_size: int | None
+) -> np.ndarray | None:
+    """[num_rows, words] i32 bitmasks, all bits set for rows without one; None if no row has
+    one (the batch then samples without the mask pass)."""
+    if masks is None or all(m is None for m in masks):
+        return None
+    out = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            out[row] = mask
+    return out
 
 
 def needs_penalties(params: list[SamplingParams]) -> bool:

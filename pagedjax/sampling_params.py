@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # Greedy when temperature is below this, as in vLLM.
 _GREEDY_TEMPERATURE = 1e-5
@@ -16,6 +19,54 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far: the whole text, all token ids and logprobs
     DELTA = 1  # only what is new since the request's previous output
     FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate asks for)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint on the generated text.
+
+    json: a JSON schema (dict or JSON text); regex: a regular expression; choice: one of
+    these strings; grammar: a Lark (or GBNF) grammar; json_object: any JSON object.
+    disable_any_whitespace: no free whitespace between JSON tokens."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: {given}"
+            )
+        if not given:
+            raise ValueError(
+                "You must use one kind of structured outputs constraint but none are specified"
+            )
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag is not supported; give json, regex, choice or grammar")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern is not supported; see disable_any_whitespace")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"json must be a JSON schema: {e}") from e
 
 
 @dataclass
@@ -40,6 +91,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned where the output ends with the
+    # tokens before it (with and without a leading space, as vLLM does).
+    bad_words: list[str] | None = None
+    # vLLM's per-request callables fn(output_ids, logits) or fn(prompt_ids, output_ids,
+    # logits) -> logits, on a row's float32 numpy logits; each such step waits for them.
+    logits_processors: list[Callable[..., Any]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -106,7 +166,44 @@ class SamplingParams:
             isinstance(self.output_kind, RequestOutputKind),
             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
         )
+        check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids is not None and empty!",
+        )
+        check(
+            self.allowed_token_ids is None
+            or all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+            f"allowed_token_ids must be non-negative ints, got {self.allowed_token_ids}",
+        )
+        check(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
+            f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}",
+        )
+        check(
+            all(callable(f) for f in self.logits_processors or []),
+            "logits_processors must be callables fn(output_ids, logits) or "
+            "fn(prompt_ids, output_ids, logits)",
+        )
+        check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams, got "
+            f"{type(self.structured_outputs).__name__}",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def needs_output_on_host(self) -> bool:
+        """Whether sampling a token needs the previous tokens' values on the host: penalties
+        (sent as arrays), bad words, logits processors and structured outputs."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.bad_words)
+            or bool(self.logits_processors)
+            or self.structured_outputs is not None
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pagedjax.core.request import Request
 from pagedjax.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class EngineRequest(Request):
         min_tokens_banned: frozenset[int] = frozenset(),
         parent: EngineRequest | None = None,
         sample_index: int = 0,
+        constraints: Any = None,
     ):
         super().__init__(request_id, prompt_token_ids)
         self.params = params
@@ -65,6 +67,9 @@ class EngineRequest(Request):
         # Tokens whose logits are -inf until min_tokens are out: stop tokens and EOS.
         self.min_tokens_banned = min_tokens_banned
         self.parent = parent
+        # Host-side constraints on its tokens (allowed tokens, bad words, a grammar, logits
+        # processors: `pagedjax/constraints.py`), None for none; each sequence has its own.
+        self.constraints = constraints
         self.children: list[EngineRequest] = []  # the n - 1 siblings, once forked
         self.group_id = request_id if parent is None else parent.group_id  # the user's id
         self.sample_index = sample_index
@@ -108,4 +113,5 @@ class EngineRequest(Request):
             min_tokens_banned=self.min_tokens_banned,
             parent=self,
             sample_index=index,
+            constraints=None if self.constraints is None else self.constraints.fork(),
         )

@@ -120,11 +120,8 @@ class Scheduler:
         """Whether a request whose last token is still being sampled (the step in flight) waits
         for it instead of computing it now: penalties need the token's value on the host, and
         a request that reaches its length limit with it will not sample again."""
-        params = request.params
         return (
-            params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0
+            request.params.needs_output_on_host
             or request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.max_model_len
         )
@@ -251,6 +248,11 @@ class Scheduler:
             bias = {}
             if sampler.num_output_tokens < sampler.params.min_tokens:
                 bias = dict.fromkeys(sampler.min_tokens_banned, float("-inf"))
+            constraints, mask = sampler.constraints, None
+            if constraints is not None:
+                # The host's part of the step, while the previous one runs on the device.
+                bias.update(constraints.banned(sampler.output_token_ids))
+                mask = constraints.mask()
             out.rows.append(
                 SampleRow(
                     index,
@@ -260,6 +262,8 @@ class Scheduler:
                     sampler.seed,
                     bias,
                     num_tokens=len(sampler.all_token_ids),
+                    mask=mask,
+                    processors=constraints.processors if constraints is not None else (),
                 )
             )
             out.row_requests.append(sampler)
@@ -320,6 +324,8 @@ class Scheduler:
         request.all_token_ids[position] = token
         self.num_generated_tokens += 1
         status = self._check_stop(request, token, position + 1)
+        if request.constraints is not None and request.constraints.accept(token):
+            status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             self.finish(request, status)
         return EngineCoreOutput(

@@ -37,6 +37,7 @@ from models.config import ModelConfig
 from models.llama import Params, forward_logits
 from models.tensor_parallel import TensorParallel
 from pagedjax.config import EngineConfig
+from pagedjax.constraints import apply_processors
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSequence
 from pagedjax.sampler import (
@@ -156,6 +157,12 @@ def _fixed_rows(token_ids: jax.Array, size: int) -> jax.Array:
     """A step's sampled tokens ([rows], padded per step) at a fixed length [size], so the next
     forward's shape does not depend on the previous step's row bucket."""
     return jnp.zeros(size, jnp.int32).at[: min(size, token_ids.shape[0])].set(token_ids[:size])
+
+
+@partial(jax.jit, static_argnames=("count",))
+def _set_rows(logits: jax.Array, index: jax.Array, values: jax.Array, count: int) -> jax.Array:
+    """logits with rows index[:count] replaced by values[:count] (the rest is padding)."""
+    return logits.at[index[:count]].set(values[:count])
 
 
 @dataclass
@@ -451,6 +458,8 @@ class ModelRunner:
             )
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
+        if any(r.processors for r in rows):
+            logits = self._run_processors(logits, rows)
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -461,6 +470,8 @@ class ModelRunner:
             extra_bias=[r.extra_bias for r in rows],
             history_width=self.max_blocks_per_seq * self.block_size,
             num_tokens=[r.num_tokens for r in rows],
+            masks=[r.mask for r in rows],
+            vocab_size=self.model_config.vocab_size,
         )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
@@ -481,6 +492,22 @@ class ModelRunner:
             len(rows),
             len(targets),
         )
+
+    def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
+        """vLLM's per-request logits processors, on the host: the rows that have them come
+        back from the device (this step's one extra wait), and go back changed."""
+        which = [i for i, r in enumerate(rows) if r.processors]
+        index = np.zeros(next_power_of_2(len(which)), np.int32)
+        index[: len(which)] = which
+        host = np.array(logits[index[: len(which)]])
+        for j, i in enumerate(which):
+            row = rows[i]
+            prompt = list(row.token_ids[: row.num_prompt_tokens])
+            output = list(row.token_ids[row.num_prompt_tokens : row.num_tokens])
+            host[j] = apply_processors(row.processors, prompt, output, host[j].copy())
+        values = np.zeros((len(index), host.shape[1]), np.float32)
+        values[: len(which)] = host
+        return _set_rows(logits, index, values, len(which))
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool, when a failed step left the donated one unusable."""

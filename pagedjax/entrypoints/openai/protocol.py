@@ -21,7 +21,7 @@ from pydantic import (
     model_serializer,
 )
 
-from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # OpenAI clamps logit biases to this range.
 LOGIT_BIAS_LIMIT = 100.0
@@ -99,6 +99,15 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's extra sampling fields: constrained tokens and structured outputs (and the
+    # guided_* names older vLLM clients send).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -135,10 +144,45 @@ class SamplingRequest(OpenAIBaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self._logit_bias(vocab_size),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                structured_outputs=self._structured_outputs(),
                 output_kind=kind,
             )
         except ValueError as e:
             raise ServingError(str(e), self.field_named_in(str(e))) from None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """vLLM's `structured_outputs`, or the guided_* fields, or the chat's
+        response_format, as one StructuredOutputsParams (ServingError naming the field)."""
+        guided = {
+            kind: value
+            for kind in ("json", "regex", "choice", "grammar")
+            if (value := getattr(self, f"guided_{kind}")) is not None
+        }
+        sources = {
+            name: value
+            for name, value in [
+                ("structured_outputs", self.structured_outputs),
+                (f"guided_{next(iter(guided), '')}", guided),
+                ("response_format", self._response_format_constraint()),
+            ]
+            if value
+        }
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise ServingError(
+                f"give one of {sorted(sources)}, not several", next(iter(sorted(sources)))
+            )
+        [(field, spec)] = sources.items()
+        try:
+            return StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as e:
+            raise ServingError(f"{field}: {e}", field) from None
+
+    def _response_format_constraint(self) -> dict[str, Any] | None:
+        return None  # the chat request's response_format
 
     def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -247,12 +291,32 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def _response_format_constraint(self) -> dict[str, Any] | None:
+        """OpenAI's response_format: "text", "json_object", or "json_schema" with
+        {"json_schema": {"name", "schema", "strict"}}."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ServingError(
+                    "response_format json_schema needs {'json_schema': {'schema': ...}}",
+                    "response_format",
+                )
+            return {"json": schema}
+        raise ServingError(
+            f"response_format type {kind!r} is not supported: 'text', 'json_object' or "
+            "'json_schema'",
+            "response_format",
+        )
+
     def to_sampling_params(self, default_max_tokens: int | None, vocab_size: int) -> SamplingParams:
         """Without a limit the reply may fill the context, as in vLLM."""
         if self.tools:
             raise ServingError("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ServingError("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ServingError("top_logprobs needs logprobs set to true", "top_logprobs")
         logprobs = _or(self.top_logprobs, 0) if self.logprobs else None

@@ -1,0 +1,97 @@
+"""The cost of structured outputs: the host's token-mask time per step at batch 1 and 64, and
+tokens/s with a JSON schema against the same requests unconstrained, in the same run.
+
+    python benchmarks/structured_output.py [--batches 1,64] [--max-tokens 64]
+
+The mask is built on the host by llguidance when the scheduler builds a sample row (while the
+previous step runs on the device, with async scheduling); this times every such call. A
+constrained sequence needs its previous token on the host, so it samples every other step
+when others share the batch. Writes results/structured_output.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 16},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    from pagedjax import constraints
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams, StructuredOutputsParams
+
+    mask_seconds: list[float] = []
+    original = constraints.RequestConstraints.mask
+
+    def timed_mask(self):
+        start = time.perf_counter()
+        out = original(self)
+        mask_seconds.append(time.perf_counter() - start)
+        return out
+
+    constraints.RequestConstraints.mask = timed_mask
+    llm = LLM(max_model_len=512, max_num_seqs=64)
+    engine = llm.llm_engine
+    engine.engine_core.warmup()
+    result: dict = {"schema": "name, age, city (JSON)", "max_tokens": args.max_tokens}
+    for batch in (int(b) for b in args.batches.split(",")):
+        conversations = [
+            [{"role": "user", "content": f"Invent person {i}: name, age and city, as JSON."}]
+            for i in range(batch)
+        ]
+        structured = StructuredOutputsParams(json=SCHEMA)
+        for name, constraint in (("free", None), ("json", structured)):
+            params = [
+                SamplingParams(
+                    temperature=0.8,
+                    seed=i,
+                    max_tokens=args.max_tokens,
+                    structured_outputs=constraint,
+                )
+                for i in range(batch)
+            ]
+            llm.chat(conversations[:1], params[:1], use_tqdm=False)  # compiles the mask pass
+            mask_seconds.clear()
+            steps = engine.engine_core.num_steps
+            start = time.perf_counter()
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            steps = engine.engine_core.num_steps - steps
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            key = f"batch{batch}_{name}"
+            result[f"{key}_output_tokens_per_s"] = tokens / elapsed
+            result[f"{key}_steps"] = steps
+            if constraint is not None:
+                result[f"{key}_mask_us_per_row"] = 1e6 * sum(mask_seconds) / len(mask_seconds)
+                result[f"{key}_mask_ms_per_step"] = 1e3 * sum(mask_seconds) / steps
+                result[f"{key}_step_ms"] = 1e3 * elapsed / steps
+        result[f"batch{batch}_json_vs_free"] = (
+            result[f"batch{batch}_json_output_tokens_per_s"]
+            / result[f"batch{batch}_free_output_tokens_per_s"]
+        )
+    report("structured_output", result)
+
+
+if __name__ == "__main__":
+    main()

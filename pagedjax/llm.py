@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import InvalidRequestError
@@ -182,6 +183,24 @@ class LLM:
             if pending:
                 self.llm_engine.abort_request(list(pending))
             self.llm_engine.end_call()
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`pagedjax/beam_search.py`): the best `params.beam_width`
+        sequences of each prompt, best first. `concurrency_limit`: prompts searched at once
+        (None: all)."""
+        parsed = parse_prompts(prompts)
+        limit = concurrency_limit or len(parsed) or 1
+        results = []
+        for start in range(0, len(parsed), limit):
+            batch = [p.source for p in parsed[start : start + limit]]
+            results += beam_search(self, batch, params, use_tqdm)
+        return results
 
     def chat(
         self,

@@ -3,10 +3,11 @@ words, structured outputs (a grammar) and vLLM's per-request logits processors.
 
 Each sequence that has any carries a `RequestConstraints` (`EngineRequest.constraints`). When
 the scheduler builds its sample row it asks for the tokens banned now (bad words, as -inf
-biases) and the token mask (allowed tokens and the grammar's next tokens, a bitmask: bit t
-of 32-bit word t // 32), which the sampler applies on the device without recompiling per
-request (`pagedjax/sampler.py`); with async scheduling this runs while the previous step is
-on the device. Each sampled token advances the grammar (`accept`); a grammar that is
+biases); the model runner, once it has dispatched the step's forward, builds the step's token
+masks (allowed tokens and each grammar's next tokens, a bitmask: bit t of 32-bit word
+t // 32) with `MaskFiller`, all grammar rows in parallel, while the forward runs on the
+device; the sampler applies them as data, with no recompilation per request
+(`pagedjax/sampler.py`). Each sampled token advances the grammar (`accept`); a grammar that is
 complete ends the sequence. Such a sequence needs its previous token on the host, so with
 async scheduling it waits for it (`SamplingParams.needs_output_on_host`).
 
@@ -65,7 +66,6 @@ class RequestConstraints:
         self.matcher = matcher  # an llguidance.LLMatcher, or None
         self.processors = tuple(processors)
         self.vocab_size = vocab_size
-        self._mask = None if matcher is None else np.zeros((1, mask_words(vocab_size)), np.int32)
 
     def fork(self) -> RequestConstraints:
         """A copy for a sibling sequence (n > 1): the grammar's state is its own."""
@@ -85,17 +85,10 @@ class RequestConstraints:
                 banned[word[-1]] = NEG_INF
         return banned
 
-    def mask(self) -> np.ndarray | None:
-        """The tokens the next sample may take ([words] int32), None for any."""
-        if self.matcher is None:
-            return self.allowed
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, self._mask, 0)
-        mask = self._mask[0].copy()
-        if self.allowed is not None:
-            mask &= self.allowed
-        return mask
+    @property
+    def masks(self) -> bool:
+        """Whether it limits the next token to a set (allowed tokens, a grammar)."""
+        return self.allowed is not None or self.matcher is not None
 
     def accept(self, token: int) -> bool:
         """Advances the grammar by a sampled token; True when the grammar is complete."""
@@ -103,6 +96,36 @@ class RequestConstraints:
             return False
         self.matcher.consume_token(token)
         return self.matcher.is_stopped()
+
+
+class MaskFiller:
+    """Builds a step's token masks: every grammar row's at once, on llguidance's threads (the
+    GIL released), while the step's forward runs on the device."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._executor = None
+
+    def fill(
+        self, constraints: Sequence[RequestConstraints | None], num_rows: int
+    ) -> np.ndarray | None:
+        """[num_rows, words] i32 bitmasks for a step's rows (all bits set for a row without
+        one); None when no row limits its tokens."""
+        if not any(c is not None and c.masks for c in constraints):
+            return None
+        out = np.full((num_rows, mask_words(self.vocab_size)), -1, np.int32)
+        grammars = [(c.matcher, i) for i, c in enumerate(constraints) if c and c.matcher]
+        if grammars:
+            from llguidance import LLExecutor
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            if self._executor is None:
+                self._executor = LLExecutor()
+            fill_next_token_bitmask_par(self._executor, grammars, out)
+        for row, c in enumerate(constraints):
+            if c is not None and c.allowed is not None:
+                out[row] &= c.allowed
+        return out
 
 
 def apply_processors(

@@ -290,8 +290,7 @@ def build_sampling_metadata(
     extra_bias: list[dict[int, float]] | None = None,
     history_width: int = 1,
     num_tokens: Sequence[int] | None = None,
-    masks: Sequence[np.ndarray | None] | None = None,
-    vocab_size: int | None = None,
+    token_mask: np.ndarray | None = None,
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
@@ -301,8 +300,8 @@ def build_sampling_metadata(
     (sent only when some row has a penalty) to at least `history_width`: an engine passes its
     max_model_len, so a growing output never changes a shape (no recompile mid-generation).
     `extra_bias` adds per-row biases (the engine masks stop tokens below min_tokens with -inf
-    this way). `masks`: per row, the [ceil(vocab_size / 32)] bitmask of the tokens it may
-    sample, or None for any. `num_tokens[i]`: how many of `token_ids[i]` come before the
+    this way). `token_mask`: [num_rows, ceil(V / 32)] bitmasks of the tokens each row may
+    sample, or None. `num_tokens[i]`: how many of `token_ids[i]` come before the
     sampled token (default: all; a list may already hold placeholders for this and later
     samples).
     """
@@ -358,22 +357,8 @@ def build_sampling_metadata(
         ),
         bias_token_ids=padded([list(b) for b in biases]),
         bias_values=padded([list(b.values()) for b in biases], np.float32, 0),
-        token_mask=_token_masks(masks, num_rows, vocab_size),
+        token_mask=token_mask,
     )
-
-
-def _token_masks(
-    masks: Sequence[np.ndarray | None] | None, num_rows: int, vocab_size: int | None
-) -> np.ndarray | None:
-    """[num_rows, words] i32 bitmasks, all bits set for rows without one; None if no row has
-    one (the batch then samples without the mask pass)."""
-    if masks is None or all(m is None for m in masks):
-        return None
-    out = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)
-    for row, mask in enumerate(masks):
-        if mask is not None:
-            out[row] = mask
-    return out
 
 
 def needs_penalties(params: list[SamplingParams]) -> bool:

@@ -59,10 +59,8 @@ class SampleRow:
     # Tokens before the one sampled: the list grows by the sample's placeholder (and, with
     # async scheduling, later ones) before the runner reads it.
     num_tokens: int = -1
-    # The tokens it may sample, a bitmask (bit t of word t // 32; None: any), and host
-    # callables on its logits (`pagedjax/constraints.py`).
-    mask: Any = None
-    processors: Sequence[Any] = ()
+    # Its sequence's token constraints (`pagedjax/constraints.py`), None for none.
+    constraints: Any = None
 
 
 @dataclass

@@ -248,11 +248,9 @@ class Scheduler:
             bias = {}
             if sampler.num_output_tokens < sampler.params.min_tokens:
                 bias = dict.fromkeys(sampler.min_tokens_banned, float("-inf"))
-            constraints, mask = sampler.constraints, None
+            constraints = sampler.constraints
             if constraints is not None:
-                # The host's part of the step, while the previous one runs on the device.
                 bias.update(constraints.banned(sampler.output_token_ids))
-                mask = constraints.mask()
             out.rows.append(
                 SampleRow(
                     index,
@@ -262,8 +260,7 @@ class Scheduler:
                     sampler.seed,
                     bias,
                     num_tokens=len(sampler.all_token_ids),
-                    mask=mask,
-                    processors=constraints.processors if constraints is not None else (),
+                    constraints=constraints,
                 )
             )
             out.row_requests.append(sampler)

@@ -37,7 +37,7 @@ from models.config import ModelConfig
 from models.llama import Params, forward_logits
 from models.tensor_parallel import TensorParallel
 from pagedjax.config import EngineConfig
-from pagedjax.constraints import apply_processors
+from pagedjax.constraints import MaskFiller, apply_processors
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSequence
 from pagedjax.sampler import (
@@ -244,6 +244,7 @@ class ModelRunner:
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
+        self.masks = MaskFiller(model_config.vocab_size)
         self._no_previous = self._place(jnp.zeros(max_seqs, jnp.int32))
 
     def _allocate(self, num_blocks: int) -> KVCache:
@@ -458,8 +459,11 @@ class ModelRunner:
             )
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
-        if any(r.processors for r in rows):
+        constraints = [r.constraints for r in rows]
+        if any(c is not None and c.processors for c in constraints):
             logits = self._run_processors(logits, rows)
+        # Built while the forward runs on the device.
+        token_mask = self.masks.fill(constraints, r_pad)
         params = [r.params for r in rows]
         meta = build_sampling_metadata(
             params,
@@ -470,8 +474,7 @@ class ModelRunner:
             extra_bias=[r.extra_bias for r in rows],
             history_width=self.max_blocks_per_seq * self.block_size,
             num_tokens=[r.num_tokens for r in rows],
-            masks=[r.mask for r in rows],
-            vocab_size=self.model_config.vocab_size,
+            token_mask=token_mask,
         )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
@@ -496,7 +499,7 @@ class ModelRunner:
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come
         back from the device (this step's one extra wait), and go back changed."""
-        which = [i for i, r in enumerate(rows) if r.processors]
+        which = [i for i, r in enumerate(rows) if r.constraints and r.constraints.processors]
         index = np.zeros(next_power_of_2(len(which)), np.int32)
         index[: len(which)] = which
         host = np.array(logits[index[: len(which)]])
@@ -504,7 +507,8 @@ class ModelRunner:
             row = rows[i]
             prompt = list(row.token_ids[: row.num_prompt_tokens])
             output = list(row.token_ids[row.num_prompt_tokens : row.num_tokens])
-            host[j] = apply_processors(row.processors, prompt, output, host[j].copy())
+            processors = row.constraints.processors
+            host[j] = apply_processors(processors, prompt, output, host[j].copy())
         values = np.zeros((len(index), host.shape[1]), np.float32)
         values[: len(which)] = host
         return _set_rows(logits, index, values, len(which))

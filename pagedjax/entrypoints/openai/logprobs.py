@@ -42,11 +42,9 @@ class LogprobsFormatter:
             return both[len(before) :]
         return self._tokenizer.decode([token])
 
-    def token_text(self, previous: int | None, token: int, logprob: Logprob | None) -> str:
-        """The token's text after `previous` (None: at the start); the engine's own
-        decoding when it gives one."""
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
+    def token_text(self, previous: int | None, token: int) -> str:
+        """The token's text after `previous` (None: at the start), so that a completion's
+        tokens join into its text (an engine `Logprob.decoded_token` is the token alone)."""
         return self._text(previous, token)
 
     def completion(
@@ -61,7 +59,7 @@ class LogprobsFormatter:
         out = CompletionLogProbs()
         offset = initial_offset
         for token, entry in zip(token_ids, entries, strict=True):
-            text = self.token_text(previous, token, entry and entry.get(token))
+            text = self.token_text(previous, token)
             out.tokens.append(text)
             out.text_offset.append(offset)
             offset += len(text)
@@ -71,10 +69,7 @@ class LogprobsFormatter:
             else:
                 out.token_logprobs.append(_clamp(entry[token].logprob))
                 out.top_logprobs.append(
-                    {
-                        self.token_text(previous, t, lp): _clamp(lp.logprob)
-                        for t, lp in entry.items()
-                    }
+                    {self.token_text(previous, t): _clamp(lp.logprob) for t, lp in entry.items()}
                 )
             previous = token
         return out
@@ -94,13 +89,13 @@ class LogprobsFormatter:
             )
             tops = []
             for _, t in ranked:
-                text = self.token_text(previous, t, entry[t])
+                text = self.token_text(previous, t)
                 tops.append(
                     TopLogprob(
                         token=text, logprob=_clamp(entry[t].logprob), bytes=list(text.encode())
                     )
                 )
-            text = self.token_text(previous, token, entry[token])
+            text = self.token_text(previous, token)
             content.append(
                 ChatTokenLogprob(
                     token=text,

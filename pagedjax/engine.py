@@ -136,6 +136,12 @@ class LLMEngine:
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
         constraints = self.constraints.build(params)  # InvalidRequestError if malformed
+        if constraints is not None and self.channel is not None:
+            # Their host state (grammars, callables) lives in process 0 only.
+            raise InvalidRequestError(
+                "allowed_token_ids, bad_words, logits_processors and structured outputs run "
+                "on one host for now; serve this model from a single process to use them"
+            )
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         request = EngineRequest(
             request_id,

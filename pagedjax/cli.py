@@ -74,7 +74,10 @@ def _make_llm(args: argparse.Namespace):
 
     names = ("kv_cache_dtype", "calculate_kv_scales", "kv_cache_scales", *PARALLEL_OPTIONS)
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    return LLM(args.model, max_model_len=args.max_model_len, **options)
+    try:
+        return LLM(args.model, max_model_len=args.max_model_len, **options)
+    except ValueError as e:  # a bad option or model: its message says what to change
+        raise SystemExit(f"pagedjax {args.command}: {e}") from e
 
 
 def _sampling_params(args: argparse.Namespace):

@@ -32,3 +32,10 @@ def test_bench_runs_the_named_script_with_its_flags(tmp_path, monkeypatch):
 def test_bench_names_the_available_scripts_for_an_unknown_one():
     with pytest.raises(SystemExit, match="no benchmark 'nosuch'.*throughput"):
         cli.main(["bench", "nosuch"])
+
+
+def test_generate_says_what_a_bad_option_needs(tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    argv = ["generate", "--model", str(path), "-tp", "2", "w5"]
+    with pytest.raises(SystemExit, match="pagedjax generate: .*needs 2 devices"):
+        cli.main(argv)

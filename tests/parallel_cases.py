@@ -37,15 +37,21 @@ def generate(llm, params_list) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts(), params_list, False)]
 
 
-def engine_case(model_dir: str, tp: int, dp: int) -> dict:
-    from pagedjax import LLM, SamplingParams
+def case_params() -> list:
+    """Greedy, 24 tokens each; the second prompt asks for n=2."""
+    from pagedjax import SamplingParams
 
-    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SMALL_POOL)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     pair = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
-    params_list = [pair if i == 1 else greedy for i in range(len(prompts()))]
-    first = generate(llm, params_list)
-    again = generate(llm, params_list)  # the prefix cache holds every prompt now
+    return [pair if i == 1 else greedy for i in range(len(prompts()))]
+
+
+def engine_case(model_dir: str, tp: int, dp: int) -> dict:
+    from pagedjax import LLM
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SMALL_POOL)
+    first = generate(llm, case_params())
+    again = generate(llm, case_params())  # the prefix cache holds every prompt now
     stats = llm.llm_engine.stats()
     result = {
         "tokens": first,
@@ -158,7 +164,7 @@ def main() -> None:
         results["layout"] = layout_case(model_dir, 2)
         results["async/1x2"] = async_case(model_dir)
     else:
-        from pagedjax import LLM, SamplingParams
+        from pagedjax import LLM
 
         model_dir, coordinator, num_processes, process_id = sys.argv[2:6]
         options = dict(SMALL_POOL)
@@ -170,8 +176,7 @@ def main() -> None:
                 tensor_parallel_size=int(num_processes),
             )
         llm = LLM(model_dir, **options)
-        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        results = {"tokens": generate(llm, greedy), "again": generate(llm, greedy)}
+        results = {"tokens": generate(llm, case_params()), "again": generate(llm, case_params())}
     print("RESULTS " + json.dumps(results))
 
 

@@ -135,6 +135,7 @@ class DataParallelCore:
             replica = self._replica_of.get(group_id)
             if replica is not None:
                 self.cores[replica].finish_sequences([(group_id, index)], status)
+                self._forget_if_finished(group_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(core.has_unfinished_requests() for core in self.cores)
@@ -151,12 +152,15 @@ class DataParallelCore:
         for core in self.cores:
             if core.has_unfinished_requests() or core.has_step_in_flight():
                 outputs += core.step()
-        for group_id in [g for g, r in self._replica_of.items() if self._finished(g, r)]:
-            del self._replica_of[group_id]
+        # Only a request with a sequence that ended this step can have finished.
+        for group_id in {out.request_id for out in outputs if out.status is not None}:
+            self._forget_if_finished(group_id)
         return outputs
 
-    def _finished(self, group_id: str, replica: int) -> bool:
-        return group_id not in self.cores[replica].scheduler.requests
+    def _forget_if_finished(self, group_id: str) -> None:
+        replica = self._replica_of.get(group_id)
+        if replica is not None and group_id not in self.cores[replica].scheduler.requests:
+            del self._replica_of[group_id]
 
     def has_step_in_flight(self) -> bool:
         return any(core.has_step_in_flight() for core in self.cores)

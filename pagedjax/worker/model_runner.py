@@ -502,7 +502,8 @@ class ModelRunner:
         which = [i for i, r in enumerate(rows) if r.constraints and r.constraints.processors]
         index = np.zeros(next_power_of_2(len(which)), np.int32)
         index[: len(which)] = which
-        host = np.array(logits[index[: len(which)]])
+        # The padded index keeps the gather's shape to a power of two (few compilations).
+        host = np.array(logits[index])[: len(which)]
         for j, i in enumerate(which):
             row = rows[i]
             prompt = list(row.token_ids[: row.num_prompt_tokens])

@@ -1,26 +1,33 @@
 """Beam search, as vLLM's `LLM.beam_search`: `beam_width` beams per prompt, each step extended
 by the 2 x beam_width most likely tokens of every beam, the best beam_width kept.
 
-Each step is one `generate` call of one token per live beam, with the beam's tokens as its
-prompt: the prefix cache serves every full block a beam shares with its parent, so beams
-share their prefix blocks (ref counted) and each step computes only their last, partial
-block. A beam ending in EOS (unless ignore_eos) is complete; at the end the complete and the
-live beams are ranked by cumulative logprob / length ** length_penalty (length counting the
+Each beam is a sequence in the engine, sampling with its top 2 x beam_width logprobs. When a
+beam has sampled it is held (not scheduled) until every live beam of its prompt has; then
+the candidates are ranked and the engine's sequences follow the choice: a beam's first
+chosen extension replaces the token it sampled (whose KV is not computed yet), each further
+one is a copy-on-write fork sharing every block (`Scheduler.fork_request`), and a beam with
+none is freed. So beams share their prefix blocks and each step computes one token per beam.
+A beam ending in EOS (unless ignore_eos) is complete; at the end the complete and the live
+beams are ranked by cumulative logprob / length ** length_penalty (length counting the
 prompt, as vLLM does; EOS not counted).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedjax.core.engine_request import EngineRequest
+from pagedjax.errors import InvalidRequestError
+from pagedjax.output_processor import TokenTexts, logprob_entry
 from pagedjax.outputs import Logprob
-from pagedjax.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
+    from pagedjax.engine import LLMEngine
     from pagedjax.inputs import PromptType
-    from pagedjax.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -75,59 +82,168 @@ def beam_search_score(
     return cum_logprob / (length**length_penalty)
 
 
+@dataclass
+class _Beam:
+    """A live beam: its sequence in the engine, and its logprobs entry once it has sampled."""
+
+    request: EngineRequest
+    seq: BeamSearchSequence
+    prompt: int
+    entry: dict[int, Logprob] | None = None
+
+
 def beam_search(
-    llm: LLM, prompts: Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    engine: LLMEngine,
+    prompts: Sequence[PromptType],
+    params: BeamSearchParams,
+    use_tqdm: bool = False,
+    concurrency_limit: int | None = None,
 ) -> list[BeamSearchOutput]:
-    """`llm.beam_search`: see the module docstring."""
+    """`llm.beam_search`: see the module docstring. `concurrency_limit`: prompts searched
+    at once (at most what the engine's sequence slots hold)."""
     from pagedjax.inputs import parse_prompts
 
-    engine = llm.llm_engine
-    tokenizer = llm.get_tokenizer()
+    if not engine.is_leader:
+        return engine.follow() or []
+    if engine.has_unfinished_requests():
+        raise InvalidRequestError(
+            "beam_search steps the engine on its own: let its other requests finish (or abort "
+            "them) first"
+        )
+    core = engine.engine_core
+    tokenizer = engine.tokenizer
     eos = tokenizer.eos_token_id
     width = params.beam_width
+    starts = [engine._tokenize(prompt)[1] for prompt in parse_prompts(prompts)]
+    for ids in starts:
+        core.check_fits(len(ids), params.max_tokens, 1)
     step_params = SamplingParams(
         temperature=params.temperature,
-        max_tokens=1,
+        max_tokens=params.max_tokens,
         logprobs=2 * width,
         ignore_eos=True,  # the beams' EOS is decided here, from the candidates
-        output_kind=RequestOutputKind.FINAL_ONLY,
     )
+    texts = TokenTexts(tokenizer)
+    search_id = uuid.uuid4().hex
 
     def score(beam: BeamSearchSequence) -> float:
         return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
 
-    starts = []
-    for prompt in parse_prompts(prompts):
-        _, ids = engine._tokenize(prompt)
-        starts.append(ids)
-    beams = [[BeamSearchSequence(list(ids))] for ids in starts]
-    complete: list[list[BeamSearchSequence]] = [[] for _ in starts]
-    for _ in range(params.max_tokens):
-        live = [(i, beam) for i, group in enumerate(beams) for beam in group]
-        if not live:
-            break
-        outputs = llm.generate([beam.tokens for _, beam in live], step_params, use_tqdm=use_tqdm)
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in starts]
-        for (i, beam), output in zip(live, outputs, strict=True):
-            entry = output.outputs[0].logprobs[0]
-            for token, logprob in entry.items():
-                new = BeamSearchSequence(
-                    beam.tokens + [token],
-                    beam.logprobs + [entry],
-                    beam.cum_logprob + logprob.logprob,
+    def new_request(index: int, tokens: list[int], prompt: list[int]) -> EngineRequest:
+        request = EngineRequest(
+            f"beam-{search_id}-{index}",
+            prompt,
+            step_params,
+            max_tokens=params.max_tokens,
+            seed=index,  # a sampled token is replaced by the chosen one: any seed does
+        )
+        request.all_token_ids = list(tokens)
+        request.hold_samples = True
+        return request
+
+    num_requests = 0
+    live: dict[str, _Beam] = {}
+    beams: list[list[_Beam]] = [[] for _ in starts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in starts]  # complete or at max_tokens
+    slots = engine.config.max_num_seqs * len(engine.workers)
+    limit = max(1, min(concurrency_limit or len(starts), slots // width))
+    next_prompt = num_finished = 0
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(starts), desc="Beam search", dynamic_ncols=True)
+
+    def select(i: int) -> None:
+        """Ranks prompt i's candidates and makes the engine's sequences follow the best."""
+        candidates = []
+        for beam in beams[i]:
+            for token, logprob in beam.entry.items():
+                seq = BeamSearchSequence(
+                    beam.seq.tokens + [token],
+                    beam.seq.logprobs + [beam.entry],
+                    beam.seq.cum_logprob + logprob.logprob,
                 )
                 if token == eos and not params.ignore_eos:
-                    new.finish_reason = "stop"
-                    complete[i].append(new)
+                    seq.finish_reason = "stop"
+                    done[i].append(seq)
                 else:
-                    candidates[i].append(new)
-        beams = [sorted(c, key=score, reverse=True)[:width] for c in candidates]
+                    candidates.append((beam, token, seq))
+        candidates.sort(key=lambda c: score(c[2]), reverse=True)
+        nonlocal num_requests
+        kept: list[_Beam] = []
+        followed: set[str] = set()
+        for beam, token, seq in candidates[:width]:
+            request = beam.request
+            if request.status.finished:  # it reached max_tokens
+                seq.finish_reason = "length"
+                done[i].append(seq)
+            elif request.request_id not in followed:
+                followed.add(request.request_id)
+                request.all_token_ids[-1] = token
+                request.held = False
+                kept.append(_Beam(request, seq, i))
+            else:
+                num_requests += 1
+                tokens = request.all_token_ids[:-1] + [token]
+                child = new_request(num_requests, tokens, request.prompt_token_ids)
+                core.fork_request(request, child)
+                kept.append(_Beam(child, seq, i))
+        dropped = [b.request.request_id for b in beams[i] if b.request.request_id not in followed]
+        core.abort_requests(dropped)  # frees them (finished ones are ignored)
+        for request_id in dropped:
+            live.pop(request_id, None)
+        for beam in kept:
+            live[beam.request.request_id] = beam
+        beams[i] = kept
+
+    try:
+        while num_finished < len(starts):
+            while next_prompt < len(starts) and next_prompt - num_finished < limit:
+                num_requests += 1
+                ids = starts[next_prompt]
+                request = new_request(num_requests, ids, ids)
+                core.add_request(request)
+                beam = _Beam(request, BeamSearchSequence(list(ids)), next_prompt)
+                beams[next_prompt] = [beam]
+                live[request.request_id] = beam
+                next_prompt += 1
+            num_steps = core.num_steps
+            outputs = core.step()
+            if core.num_steps == num_steps and not core.has_step_in_flight():
+                raise RuntimeError("beam search stalled: the engine scheduled no step")
+            reported = set()
+            for out in outputs:
+                beam = live.get(out.request_id)
+                if beam is None:
+                    continue
+                if out.new_token_ids:
+                    token = out.new_token_ids[0]
+                    beam.entry = logprob_entry(
+                        token, out.logprobs, out.logprobs_row, 2 * width, texts
+                    )
+                else:  # NaN logits ended it: the beam is dropped
+                    del live[out.request_id]
+                    beams[beam.prompt].remove(beam)
+                reported.add(beam.prompt)
+            for i in sorted(reported):
+                if all(beam.entry is not None for beam in beams[i]):
+                    select(i)
+                    if not beams[i]:
+                        num_finished += 1
+                        if bar is not None:
+                            bar.update(1)
+    except BaseException:
+        core.abort_requests(list(live))  # leave the engine clean for the next call
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     results = []
     for i in range(len(starts)):
-        for beam in beams[i]:
-            beam.finish_reason = "length"
-        best = sorted(complete[i] + beams[i], key=score, reverse=True)[:width]
+        best = sorted(done[i], key=score, reverse=True)[:width]
         for beam in best:
             beam.text = tokenizer.decode(beam.tokens)  # the prompt's and the beam's, as vLLM
         results.append(BeamSearchOutput(best))
+    engine.end_call(results)
     return results

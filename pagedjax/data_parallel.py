@@ -121,6 +121,11 @@ class DataParallelCore:
         self._replica_of[request.request_id] = replica
         self._remember(replica, hashes)
 
+    def fork_request(self, parent: EngineRequest, child: EngineRequest) -> None:
+        replica = self._replica_of[parent.group_id]  # the child lives beside its blocks
+        self.cores[replica].fork_request(parent, child)
+        self._replica_of[child.group_id] = replica
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         self.cores[0].check_fits(num_prompt_tokens, max_tokens, n)  # replicas are alike
 

@@ -54,6 +54,10 @@ class EngineCore:
         for group_id in group_ids:
             self.scheduler.finish_group(group_id, RequestStatus.FINISHED_ABORTED)
 
+    def fork_request(self, parent: EngineRequest, child: EngineRequest) -> None:
+        """Adds `child` continuing `parent`'s blocks (see Scheduler.fork_request)."""
+        self.scheduler.fork_request(parent, child)
+
     def finish_sequences(self, sequences: list[tuple[str, int]], status: RequestStatus) -> None:
         """Finishes sequences (request id, index) the output processor ended (stop strings)."""
         for group_id, index in sequences:

@@ -193,14 +193,8 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`pagedjax/beam_search.py`): the best `params.beam_width`
         sequences of each prompt, best first. `concurrency_limit`: prompts searched at once
-        (None: all)."""
-        parsed = parse_prompts(prompts)
-        limit = concurrency_limit or len(parsed) or 1
-        results = []
-        for start in range(0, len(parsed), limit):
-            batch = [p.source for p in parsed[start : start + limit]]
-            results += beam_search(self, batch, params, use_tqdm)
-        return results
+        (None: as many as the engine's sequence slots hold)."""
+        return beam_search(self.llm_engine, prompts, params, use_tqdm, concurrency_limit)
 
     def chat(
         self,

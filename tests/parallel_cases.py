@@ -48,14 +48,18 @@ def case_params() -> list:
 
 def engine_case(model_dir: str, tp: int, dp: int) -> dict:
     from pagedjax import LLM
+    from pagedjax.beam_search import BeamSearchParams
 
     llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SMALL_POOL)
     first = generate(llm, case_params())
     again = generate(llm, case_params())  # the prefix cache holds every prompt now
     stats = llm.llm_engine.stats()
+    beam_params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    beams = llm.beam_search(prompts()[3:6], beam_params)  # forks in each replica
     result = {
         "tokens": first,
         "again": again,
+        "beams": [[beam.tokens for beam in output.sequences] for output in beams],
         "preemptions": stats["num_preemptions"],
         "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "memory": {k: v for k, v in stats.items() if "bytes" in k or k == "num_devices"},

@@ -44,12 +44,15 @@ def test_beams_equal_transformers_num_beams(tiny):
 
 
 def test_beams_share_their_prefix_blocks(tiny):
+    """Beams are copy-on-write forks: they hold fewer blocks than unshared beams would, and
+    each step computes one token per beam (nothing recomputed)."""
     llm, _ = tiny
     engine = llm.llm_engine
+    core = engine.engine_core
     prompt = [(7 * i) % 120 + 3 for i in range(3 * BLOCK + 5)]  # three full blocks and a part
     width, new = 4, 5
-    peak = 0
-    step = engine.step
+    peak = computed = 0
+    step, schedule = core.step, core.scheduler.schedule
 
     def counting_step():
         nonlocal peak
@@ -57,13 +60,21 @@ def test_beams_share_their_prefix_blocks(tiny):
         peak = max(peak, engine.stats()["kv_blocks_used"])
         return outputs
 
-    engine.step = counting_step
+    def counting_schedule():
+        nonlocal computed
+        out = schedule()
+        computed += sum(num_new for _, num_new in out.scheduled)
+        return out
+
+    core.step, core.scheduler.schedule = counting_step, counting_schedule
     try:
+        llm.reset_prefix_cache()
         llm.beam_search([prompt], BeamSearchParams(beam_width=width, max_tokens=new))
     finally:
-        del engine.step
+        del core.step, core.scheduler.schedule
     alone = -(-(len(prompt) + new) // BLOCK)  # blocks one beam holds without sharing
     assert 0 < peak < width * alone, (peak, width * alone)
+    assert computed <= len(prompt) + width * (new - 1)
     assert engine.stats()["kv_blocks_used"] == 0
 
 
@@ -87,3 +98,28 @@ def test_bad_beam_params_say_what():
         BeamSearchParams(beam_width=11, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+
+
+def test_beams_are_the_same_when_preempted_held_back_or_stepped_in_sync(tiny, tiny_model_dir):
+    """Fewer sequence slots than beams and a pool that fits two of them: beams wait, held
+    beams are preempted for their siblings, and the search finds the same beams."""
+    llm, _ = tiny
+    path, _ = tiny_model_dir("llama")
+    tight = LLM(
+        str(path),
+        max_model_len=64,
+        num_kv_blocks=5,
+        block_size=BLOCK,
+        max_num_seqs=3,
+        async_scheduling=False,
+    )
+    prompts = [[(5 * i + j) % 120 + 3 for i in range(BLOCK + 4)] for j in range(3)]
+    params = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True)
+    expected = llm.beam_search(prompts, params)
+    got = tight.beam_search(prompts, params, concurrency_limit=2)
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+    assert tight.llm_engine.stats()["kv_blocks_used"] == 0
+    for want, have in zip(expected, got, strict=True):
+        assert [s.tokens for s in have.sequences] == [s.tokens for s in want.sequences]
+        for a, b in zip(have.sequences, want.sequences, strict=True):
+            assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-5)

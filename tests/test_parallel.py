@@ -47,10 +47,11 @@ def cases(tiny_model_dir) -> dict:
 @pytest.mark.parametrize("split", ["2x1", "4x1", "1x2", "2x2"])
 @pytest.mark.slow
 def test_greedy_tokens_do_not_change_with_the_split(cases, split):
-    """T x D against one device: n=2, shared prefixes, preemption, and a second run served
-    from the prefix cache. T=4 has more shards than KV heads (replicated)."""
+    """T x D against one device: n=2, shared prefixes, preemption, a second run served
+    from the prefix cache, and beam search. T=4 has more shards than KV heads (replicated)."""
     one, split_run = cases["llama/1x1"], cases[f"llama/{split}"]
     assert split_run["tokens"] == one["tokens"]
+    assert split_run["beams"] == one["beams"]
     assert split_run["again"] == one["tokens"]
     assert len(one["tokens"][1]) == 2  # the n=2 request's two sequences
     assert split_run["preemptions"] > 0

@@ -182,3 +182,35 @@ def test_a_victim_outside_the_candidates_is_rejected():
     execute(s, s.schedule())
     with pytest.raises(ValueError, match="not one of its candidates"):
         s.schedule()
+
+
+def test_a_held_request_waits_gives_way_and_forks():
+    """Beam search's hooks: a request holding its samples is not scheduled until released,
+    yields its slot to a waiting request, and forks a sibling sharing its computed blocks."""
+    s = make(max_seqs=1, block_size=4)
+    a, b = request("a", 6), request("b", 5, arrival=1)
+    a.hold_samples = True
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["a"] and a.held
+    execute(s, out, sampled_token=7)
+    out = s.schedule()  # a is held: b takes its slot, a waits (preempted)
+    assert [r.request_id for r, _ in out.scheduled] == ["b"]
+    assert out.preempted == [a] and a.status is RequestStatus.PREEMPTED
+    execute(s, out)
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    a.all_token_ids[-1] = 9  # the caller's choice replaces the sampled token
+    a.held = False
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 3)]  # 4 from the cache
+    assert list(out.seqs[0].token_ids) == [14, 15, 9]
+    execute(s, out)
+    a.held = False
+    child = request("a2", 6)
+    child.all_token_ids = a.all_token_ids[:-1] + [11]
+    s.fork_request(a, child)
+    assert child.num_computed_tokens == a.num_computed_tokens == 7
+    assert s.kv.get_block_ids(child) == s.kv.get_block_ids(a)  # shared until written
+    with pytest.raises(ValueError, match="must hold"):
+        s.fork_request(a, request("x", 6, first_token=1))

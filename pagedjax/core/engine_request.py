@@ -71,6 +71,10 @@ class EngineRequest(Request):
         # processors: `pagedjax/constraints.py`), None for none; each sequence has its own.
         self.constraints = constraints
         self.children: list[EngineRequest] = []  # the n - 1 siblings, once forked
+        # Set: each sample holds the sequence (it is not scheduled) until `held` is cleared,
+        # so its last token can be changed first (beam search puts the beam's choice there).
+        self.hold_samples = False
+        self.held = False
         self.group_id = request_id if parent is None else parent.group_id  # the user's id
         self.sample_index = sample_index
         self.status = RequestStatus.WAITING

@@ -13,6 +13,10 @@ first, then earlier arrival; the lowest-priority, latest-arrived request is pree
 n > 1: a parent reserves sequence slots for its n - 1 siblings until it samples its first
 token; in that step each sibling samples from the parent's logits too, and then shares the
 parent's blocks (copy-on-write) instead of prefilling the prompt again.
+
+Beam search: a request that holds its samples is not scheduled from each sample until the
+caller releases it (having perhaps replaced the sampled token, and forked the request with
+`fork_request`); a waiting request short of slots or blocks preempts held ones first.
 """
 
 from __future__ import annotations
@@ -163,14 +167,12 @@ class Scheduler:
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
         for parent, child in out.forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.kv.fork(parent, child)
             parent.children.append(child)
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._share_blocks(parent, child)
         for row, sampler in enumerate(out.row_requests):
             out.row_positions.append(len(sampler.all_token_ids))
             sampler.all_token_ids.append(placeholder_token(row))
+            sampler.held = sampler.hold_samples
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -181,8 +183,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk(request, budget)
-            if num_new <= 0 or (
-                is_placeholder(request.all_token_ids[-1]) and self._must_wait(request)
+            if (
+                num_new <= 0
+                or request.held
+                or (is_placeholder(request.all_token_ids[-1]) and self._must_wait(request))
             ):
                 index += 1  # nothing to compute until its sampled token is known
                 continue
@@ -197,15 +201,17 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Waiting requests in order while budget, sequence slots and blocks last."""
+        """Waiting requests in order while budget, sequence slots and blocks last; held
+        requests are passed over."""
         slots_used = sum(_sequence_slots(r) for r in self.running)
-        while (
-            self.waiting
-            and budget > 0
-            and slots_used + _sequence_slots(self.waiting[0]) <= self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            request = self.waiting[index]
+            if request.held:
+                index += 1
+                continue
+            room = slots_used + _sequence_slots(request) <= self.max_num_seqs
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if room else ([], 0)
             if request.skip_prefix_cache:
                 hits, num_hit_tokens = [], 0
             request.num_computed_tokens = 0
@@ -213,9 +219,13 @@ class Scheduler:
             if self.long_prefill_token_threshold:
                 remaining = min(remaining, self.long_prefill_token_threshold)
             num_new = min(remaining, budget)
-            if self.kv.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
-                break
-            self.waiting.pop(0)
+            if not room or self.kv.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
+                if not self._preempt_held(out):
+                    break
+                slots_used -= 1
+                index += 1  # the held request went in front of it
+                continue
+            self.waiting.pop(index)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
@@ -224,6 +234,15 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
             slots_used += _sequence_slots(request)
+
+    def _preempt_held(self, out: SchedulerOutput) -> bool:
+        """Preempts a held running request for a waiting one, if there is any: it computes
+        nothing until released, and the waiting request may be what it waits for (a beam
+        whose siblings are held until it has sampled)."""
+        held = [request for request in self.running if request.held]
+        if held:
+            self._preempt(out, held)
+        return bool(held)
 
     def _add_model_input(
         self, out: SchedulerOutput, index: int, request: EngineRequest, num_new: int
@@ -349,6 +368,28 @@ class Scheduler:
         if num_output_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _share_blocks(self, parent: EngineRequest, child: EngineRequest) -> None:
+        """Runs `child` from `parent`'s computed tokens, sharing their blocks (copy-on-write)."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def fork_request(self, parent: EngineRequest, child: EngineRequest) -> None:
+        """Adds `child`, a user request of its own holding `parent`'s tokens but a different
+        last one (a beam of beam search): it shares the parent's computed blocks, or, if the
+        parent was preempted (holds none), waits beside it to recompute them."""
+        if child.all_token_ids[:-1] != parent.all_token_ids[:-1]:
+            raise ValueError(
+                f"{child.request_id!r} must hold {parent.request_id!r}'s tokens but the last"
+            )
+        self.requests[child.group_id] = child
+        if self.kv.has_request(parent.request_id):
+            self._share_blocks(parent, child)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.insert(0, child)
 
     def preempt_all(self) -> list[EngineRequest]:
         """Preempts every running request (e.g. after the device pool was lost)."""

@@ -16,6 +16,13 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -124,7 +131,9 @@ def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int,
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """Builds our config from a Hugging Face `config.json` dict; rejects what we cannot run."""
-    architectures = hf.get("architectures") or []
+    # A config built in memory (LlamaConfig(...)) names no architectures: its model type does.
+    by_type = MODEL_TYPES.get(hf.get("model_type"))
+    architectures = hf.get("architectures") or ([by_type] if by_type else [])
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
         raise UnsupportedArchitectureError(

@@ -17,7 +17,9 @@ Params are a pytree with the layers stacked on a leading axis:
     lm_head      [H, V]             absent when the embeddings are tied and kept as a table
 
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
-(one compiled layer body, whatever the depth) with the paged KV pool in the scan carry.
+(one compiled layer body, whatever the depth) with the paged KV pool in the scan carry. The
+layer body takes its attention as a function, so the same layers also run densely, and
+differentiably, for training (`models/training.py`).
 
 The four matmul weights and the LM head may also be weight types that know how to multiply
 (`models/weights.py`): GGUF block codes widened in XLA, or a platform's packed layout. The
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,13 @@ from models.weights import LinearWeight, StackedLinearWeight
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
+# Whatever a layer's attention carries from layer to layer (the paged forward: the KV pool).
+AttendState = Any
+# (q, k, v, layer, sliding_window, state) -> (out, state): see `decoder_layers`.
+Attend = Callable[
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, AttendState],
+    tuple[jax.Array, AttendState],
+]
 
 
 MATMUL_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -115,13 +125,12 @@ def _attention_block(
     x: jax.Array,  # [T, H]
     cos: jax.Array,
     sin: jax.Array,
-    cache: KVCache,
     layer: jax.Array,
     sliding_window: jax.Array,
-    metadata: AttentionMetadata,
-    attention_fn: AttentionFn,
+    attend: Attend,
+    state: AttendState,
     axis_name: str | None,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, AttendState]:
     num_tokens = x.shape[0]
     h = rms_norm(x, layer_params["attn_norm"], config.rms_norm_eps)
     qkv = layer_matmul(h, weights["wqkv"], layer)
@@ -136,18 +145,10 @@ def _attention_block(
         k = rms_norm(k, layer_params["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    cache = write_kv(cache, layer, k, v, metadata.slot_mapping)
-    out = attention_fn(
-        q,
-        cache,
-        layer,
-        metadata,
-        scale=config.attention_scale,
-        sliding_window=sliding_window if any(config.sliding_windows) else None,
-    )
+    out, state = attend(q, k, v, layer, sliding_window, state)
     # Tensor parallel: o_proj's rows are sharded by head, so each shard holds a partial sum.
     out = layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer)
-    return x + all_reduce(out, axis_name), cache
+    return x + all_reduce(out, axis_name), state
 
 
 def _mlp_block(
@@ -162,6 +163,41 @@ def _mlp_block(
     gate, up = jnp.split(layer_matmul(h, weights["w_gate_up"], layer), 2, axis=-1)
     out = layer_matmul(jax.nn.silu(gate) * up, weights["w_down"], layer)
     return x + all_reduce(out, axis_name)
+
+
+def decoder_layers(
+    params: Params,
+    config: ModelConfig,
+    x: jax.Array,  # [T, H] embeddings
+    positions: jax.Array,  # [T] int32
+    attend: Attend,
+    state: AttendState = None,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, AttendState]:
+    """The decoder layers over flat tokens, as one scan; returns final-normed hidden states
+    [T, H] and `attend`'s state as the last layer left it.
+
+    `attend(q [T, heads, D], k, v [T, kv_heads, D], layer, sliding_window, state)` ->
+    (out [T, heads, D], state) is each layer's attention of q over k and v, and whatever the
+    keys live in: the paged forward writes them into the KV pool it carries as `state`."""
+    cos, sin = rope_cos_sin(config, positions)
+    # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
+    weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
+    scanned = {k: v for k, v in params["layers"].items() if k not in MATMUL_WEIGHTS}
+
+    def layer_step(carry, per_layer):
+        x, state = carry
+        layer_params, layer, window = per_layer
+        x, state = _attention_block(
+            config, layer_params, weights, x, cos, sin, layer, window, attend, state, axis_name
+        )
+        return (_mlp_block(config, layer_params, weights, x, layer, axis_name), state), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
+    with matmul_precision(x.dtype):
+        (x, state), _ = jax.lax.scan(layer_step, (x, state), (scanned, layer_ids, windows))
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), state
 
 
 def forward(
@@ -181,36 +217,22 @@ def forward(
     see `models/tensor_parallel.py`): `config` and the params are the shard's (its heads, its
     slice of the MLP and the vocabulary), and the two row-parallel products of each layer are
     summed over the group."""
-    x = embed_tokens(params, token_ids, axis_name)
-    cos, sin = rope_cos_sin(config, positions)
-    # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
-    weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
-    scanned = {k: v for k, v in params["layers"].items() if k not in MATMUL_WEIGHTS}
 
-    def layer_step(carry, per_layer):
-        x, cache = carry
-        layer_params, layer, window = per_layer
-        x, cache = _attention_block(
-            config,
-            layer_params,
-            weights,
-            x,
-            cos,
-            sin,
+    # K/V go into the pool before attention, so each new token also sees the step's own keys.
+    def attend(q, k, v, layer, sliding_window, cache):
+        cache = write_kv(cache, layer, k, v, metadata.slot_mapping)
+        out = attention_fn(
+            q,
             cache,
             layer,
-            window,
             metadata,
-            attention_fn,
-            axis_name,
+            scale=config.attention_scale,
+            sliding_window=sliding_window if any(config.sliding_windows) else None,
         )
-        return (_mlp_block(config, layer_params, weights, x, layer, axis_name), cache), None
+        return out, cache
 
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
-    with matmul_precision(x.dtype):
-        (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (scanned, layer_ids, windows))
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), kv_cache
+    x = embed_tokens(params, token_ids, axis_name)
+    return decoder_layers(params, config, x, positions, attend, kv_cache, axis_name)
 
 
 def compute_logits(params: Params, hidden: jax.Array, axis_name: str | None = None) -> jax.Array:

@@ -225,6 +225,16 @@ def checkpoint_dtype(model: str | os.PathLike | None = None) -> str | None:
     return name.removeprefix("torch.") if isinstance(name, str) else None
 
 
+def load_model_config(model: str | os.PathLike | None = None) -> ModelConfig:
+    """The config of a HF directory, a .gguf file, or the default model, without its weights."""
+    files = resolve_model_path(model)
+    if files.is_gguf:
+        from models.gguf_loader import read_gguf
+
+        return model_config_from_hf(read_gguf(files.path)[0])
+    return model_config_from_hf(read_hf_config(files.path))
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: jnp.dtype = jnp.float32,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -159,17 +160,20 @@ def tensor_parallel_config(config: ModelConfig, size: int) -> tuple[ModelConfig,
     return replace(config, num_kv_heads=kv_heads, vocab_size=vocab), kv_heads // config.num_kv_heads
 
 
-def shard_major(parts: list[np.ndarray], size: int, axis: int) -> np.ndarray:
+def shard_major(parts: list[np.ndarray], size: int, axis: int, xp=np) -> np.ndarray:
     """Fused columns [p0 | p1 | ...] along `axis` reordered as T groups [p0_t | p1_t | ...]:
-    each shard's slice of every part, side by side, in the model's order."""
-    groups = [np.split(p, size, axis=axis) for p in parts]
-    return np.concatenate([g for shard in zip(*groups, strict=True) for g in shard], axis=axis)
+    each shard's slice of every part, side by side, in the model's order (xp: numpy, or
+    jax.numpy for arrays on a device)."""
+    groups = [xp.split(p, size, axis=axis) for p in parts]
+    return xp.concatenate([g for shard in zip(*groups, strict=True) for g in shard], axis=axis)
 
 
 def layout_params(params: Params, config: ModelConfig, size: int) -> Params:
-    """Host arrays in the unsharded layout -> host arrays in the tensor-parallel layout (the
-    same shapes but for replicated KV heads and the padded vocabulary); see the module doc."""
+    """Arrays in the unsharded layout -> arrays in the tensor-parallel layout (the same shapes
+    but for replicated KV heads and the padded vocabulary); see the module doc. Host arrays
+    stay on the host; JAX arrays are rearranged where they are (new weights on a device)."""
     tp_config, repeat = tensor_parallel_config(config, size)
+    xp = jnp if isinstance(params["layers"]["wqkv"], jax.Array) else np
     for name, weight in [*params.items(), *params["layers"].items()]:
         if isinstance(weight, (LinearWeight, StackedLinearWeight)):
             raise TensorParallelError(
@@ -181,25 +185,26 @@ def layout_params(params: Params, config: ModelConfig, size: int) -> Params:
     layers = dict(params["layers"])
 
     def qkv(w: np.ndarray, axis: int) -> np.ndarray:
-        q, k, v = np.split(np.asarray(w), [Q, Q + KV], axis=axis)
+        q, k, v = xp.split(xp.asarray(w), [Q, Q + KV], axis=axis)
         if repeat > 1:  # KV head j's copies j*r .. j*r + r - 1 serve its query heads
             shape = k.shape[:axis] + (config.num_kv_heads, config.head_dim)
             k, v = (
-                np.repeat(x.reshape(shape), repeat, axis=axis).reshape(*k.shape[:axis], KV * repeat)
+                xp.repeat(x.reshape(shape), repeat, axis=axis).reshape(*k.shape[:axis], KV * repeat)
                 for x in (k, v)
             )
-        return shard_major([q, k, v], size, axis)
+        return shard_major([q, k, v], size, axis, xp)
 
     layers["wqkv"] = qkv(layers["wqkv"], 2)
     if "bqkv" in layers:
         layers["bqkv"] = qkv(layers["bqkv"], 1)
-    layers["w_gate_up"] = shard_major(np.split(np.asarray(layers["w_gate_up"]), 2, axis=2), size, 2)
+    gate_up = xp.split(xp.asarray(layers["w_gate_up"]), 2, axis=2)
+    layers["w_gate_up"] = shard_major(gate_up, size, 2, xp)
     out["layers"] = layers
     pad = tp_config.vocab_size - config.vocab_size
     if pad and "embed" in out:
-        out["embed"] = np.pad(np.asarray(out["embed"]), ((0, pad), (0, 0)))
+        out["embed"] = xp.pad(xp.asarray(out["embed"]), ((0, pad), (0, 0)))
     if pad and "lm_head" in out:
-        out["lm_head"] = np.pad(np.asarray(out["lm_head"]), ((0, 0), (0, pad)))
+        out["lm_head"] = xp.pad(xp.asarray(out["lm_head"]), ((0, 0), (0, pad)))
     return out
 
 
@@ -209,13 +214,16 @@ def replicate_kv_scales(scales: np.ndarray, repeat: int) -> np.ndarray:
 
 
 def place_params(params: Params, tp: TensorParallel) -> Params:
-    """Host arrays (tensor-parallel layout) -> global arrays split over the group: each device
-    receives only its slice, so no device ever holds the whole model."""
+    """Arrays (tensor-parallel layout) -> global arrays split over the group: from the host,
+    each device receives only its slice, so no device ever holds the whole model; JAX arrays
+    move device to device."""
     specs = tp.param_specs(params)
 
     def place(array, spec: PartitionSpec) -> jax.Array:
-        array = np.asarray(array)
         sharding = NamedSharding(tp.mesh, spec)
+        if isinstance(array, jax.Array):
+            return jax.device_put(array, sharding)
+        array = np.asarray(array)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     return jax.tree.map(place, params, specs)

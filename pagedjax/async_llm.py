@@ -18,7 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from pagedjax.config import EngineConfig
@@ -54,6 +54,16 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """A call on the engine between steps (new weights, sleep); its outputs go to the
+    streams, its result or error to `future` on the caller's loop."""
+
+    fn: Callable[[], list[RequestOutput] | None]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 class _Shutdown:
@@ -157,6 +167,30 @@ class AsyncLLM:
         ends with a final output whose finish reason is "abort"."""
         self._commands.put(_Abort(request_id))
 
+    # ------------------------------------------------------------ weights in and out
+
+    async def _call(self, fn: Callable[[], list[RequestOutput] | None]) -> None:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Call(fn, loop, future))
+        await future
+
+    async def update_weights(self, params) -> None:
+        """New weights between steps (`pagedjax/weight_sync.py`); running requests go on,
+        recomputed on them."""
+        await self._call(lambda: self.engine.update_weights(params))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Gives the device memory back; only while no request is unfinished."""
+        await self._call(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self.engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def stats(self) -> dict:
         """The engine's statistics as of the loop's last pass (safe from any thread)."""
         return dict(self._stats)
@@ -208,11 +242,29 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Add):
                 self._add(streams, command)
+            elif isinstance(command, _Call):
+                self._run_call(streams, command)
             elif isinstance(command, _Abort):
                 stream = streams.pop(command.request_id, None)
                 for output in self.engine.abort_request(command.request_id):
                     if stream is not None:
                         stream.put(output)
+
+    def _run_call(self, streams: dict[str, _Stream], command: _Call) -> None:
+        def settle(future: asyncio.Future, error: BaseException | None) -> None:
+            if future.done():  # the caller was cancelled
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        error = None
+        try:
+            self._send(streams, command.fn() or [])
+        except Exception as e:  # noqa: BLE001  (the caller gets it, the loop goes on)
+            error = e
+        command.loop.call_soon_threadsafe(settle, command.future, error)
 
     def _add(self, streams: dict[str, _Stream], command: _Add) -> None:
         request = command.request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -25,12 +26,13 @@ from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.distributed import StepChannel
 from pagedjax.engine_core import EngineCore
-from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError
+from pagedjax.errors import DuplicateRequestIdError, EngineSleepingError, InvalidRequestError
 from pagedjax.inputs import Prompt, PromptType, parse_prompt
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.platforms import current_platform
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.weight_sync import as_params
 from pagedjax.worker.worker import Worker
 
 
@@ -119,6 +121,7 @@ class LLMEngine:
         """Tokenizes and validates a request without touching the engine's state, so a caller
         on another thread (AsyncLLM's) can do it while steps run; raises ValueError on bad
         input. Returns the request and its prompt text (None for token ids)."""
+        self._check_awake()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
@@ -198,6 +201,48 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (nothing changed) while requests run."""
         return self.engine_core.reset_prefix_cache()
+
+    # ------------------------------------------------------------ weights in and out
+
+    @property
+    def cores(self) -> list[EngineCore]:
+        core = self.engine_core
+        return core.cores if isinstance(core, DataParallelCore) else [core]
+
+    def update_weights(self, params: Params | Mapping[str, object]) -> list[RequestOutput]:
+        """Replaces the model's weights between steps (`pagedjax/weight_sync.py` has the
+        whole story); returns the outputs of the step that was in flight."""
+        params = as_params(self.model_config, params)  # ModelLoadError, nothing changed
+        core_outputs = []
+        for core in self.cores:
+            if self.is_leader:
+                core_outputs += core.update_weights(params)
+            else:  # a follower's scheduler is idle: only its devices take the weights
+                core.worker.set_params(params)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def sleep(self, level: int = 1) -> None:
+        for core in self.cores:
+            core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for core in self.cores:
+            core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(core.worker.is_sleeping for core in self.cores)
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping():
+            raise EngineSleepingError("the engine is asleep: call wake_up() before generating")
+        if not all(core.worker.has_weights for core in self.cores):
+            raise EngineSleepingError(
+                "the engine has no weights (sleep(level=2) discarded them): give new ones "
+                "with update_weights() or load_weights()"
+            )
 
     # ---------------------------------------------------------------------- step
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
+from models.llama import Params
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.errors import InvalidRequestError
 from pagedjax.worker.model_runner import StepHandle
 from pagedjax.worker.worker import Worker
 
@@ -95,6 +98,38 @@ class EngineCore:
             return False
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    # ------------------------------------------------------------ weights in and out
+
+    def settle(self) -> list[EngineCoreOutput]:
+        """Completes the step in flight, if any, and preempts every running request: their
+        KV is recomputed when they run again (after new weights, or a pool given back)."""
+        outputs = self._complete(*self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        self.scheduler.preempt_all()
+        return outputs
+
+    def update_weights(self, params: Params) -> list[EngineCoreOutput]:
+        """New weights (pagedjax layout) between steps; returns the outputs of the step that
+        was in flight. Unfinished requests keep their tokens and recompute their KV on the
+        new weights; the prefix cache, computed with the old ones, is forgotten."""
+        outputs = self.settle()
+        self.worker.set_params(params)
+        self.kv_cache_manager.reset_prefix_cache()
+        return outputs
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device memory (see Worker.sleep); only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise InvalidRequestError(
+                "sleep() while requests are unfinished: let them finish or abort them first"
+            )
+        self.settle()
+        self.worker.sleep(level)
+        self.kv_cache_manager.reset_prefix_cache()  # the pool's contents are gone
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.worker.wake_up(tags)
 
     def warmup(self) -> float:
         """Compiles every step shape now; returns the seconds spent."""

@@ -23,3 +23,7 @@ class QueueFullError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The engine loop stopped and serves nothing more; the message holds its cause. Restart
     the engine (a server's /health reports it)."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine's device memory is given back (`LLM.sleep`): wake it up first."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+from models.llama import Params
+from models.loader import load_model_config
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
@@ -12,6 +15,7 @@ from pagedjax.errors import InvalidRequestError
 from pagedjax.inputs import PromptType, parse_prompts
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.weight_sync import as_params, model_config_of, named_weights
 
 
 def chat_prompt_ids(
@@ -46,11 +50,63 @@ def chat_prompt_ids(
 
 
 class LLM:
-    """`LLM(model=None, **engine_options)`: None means the default SmolLM2-135M-Instruct."""
+    """`LLM(model=None, **engine_options)`: None means the default SmolLM2-135M-Instruct.
 
-    def __init__(self, model: str | None = None, **engine_options):
-        self.llm_engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
+    In memory (`pagedjax/weight_sync.py`): `LLM(model, params=..., tokenizer=...)` runs the
+    given weights (pagedjax's layout or an HF state dict), with `model` a ModelConfig, a
+    transformers config or a path to read the config from, and `tokenizer` a tokenizer or a
+    path (needed when `model` is not a path)."""
+
+    def __init__(
+        self,
+        model: str | object | None = None,
+        *,
+        params: Params | Mapping[str, object] | None = None,
+        tokenizer: str | object | None = None,
+        **engine_options,
+    ):
+        in_memory = model is not None and not isinstance(model, (str, os.PathLike))
+        path = None if in_memory else model
+        tokenizer_object = None
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer_object = tokenizer
+        elif tokenizer is not None:
+            engine_options["tokenizer"] = str(tokenizer)
+        if in_memory and tokenizer is None:
+            raise InvalidRequestError(
+                "a model given as a config has no tokenizer files: pass tokenizer= (a "
+                "tokenizer object or a directory)"
+            )
+        if in_memory and params is None:
+            raise InvalidRequestError("a model given as a config needs its weights: pass params=")
+        config = EngineConfig.from_options(None if path is None else str(path), **engine_options)
+        model_config = None
+        if params is not None:
+            model_config = model_config_of(model) if in_memory else load_model_config(path)
+            params = as_params(model_config, params)
+        self.llm_engine = LLMEngine(config, model_config, params, tokenizer_object)
         self._counter = 0
+
+    # ------------------------------------------------------------ weights in and out
+
+    def update_weights(self, params: Params | Mapping[str, object]) -> None:
+        """New weights (pagedjax's layout or an HF state dict) between calls, without a
+        reload or a recompilation; see `pagedjax/weight_sync.py`."""
+        self.llm_engine.update_weights(params)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """vLLM's form: (Hugging Face name, array) pairs covering the whole model."""
+        model_config = self.llm_engine.model_config
+        self.llm_engine.update_weights(named_weights(model_config, weights))
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives the device memory back (the KV pool; the weights, kept on the host at level 1
+        and discarded at level 2) until `wake_up()`; only between calls."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what `sleep` freed: "weights" and/or "kv_cache" (both by default)."""
+        self.llm_engine.wake_up(tags)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

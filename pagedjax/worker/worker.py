@@ -29,6 +29,7 @@ from models.tensor_parallel import (
     replicate_kv_scales,
     tensor_parallel_config,
 )
+from models.weights import LinearWeight, StackedLinearWeight
 from pagedjax.config import EngineConfig
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.sched_output import SchedulerOutput
@@ -116,16 +117,14 @@ class Worker:
         self.model_config = model_config
         self.tp, kv_repeat, shard = None, 1, model_config
         if size > 1:
-            # The split's layout, then each device receives only its slice of the weights.
             tp_config, kv_repeat = tensor_parallel_config(model_config, size)
             mesh = jax.sharding.Mesh(np.asarray(self.devices), (AXIS,))
             self.tp = TensorParallel(mesh, tp_config, model_config.vocab_size)
-            self.params = place_params(layout_params(params, model_config, size), self.tp)
             shard = self.tp.local_config
-        else:
-            self.params = platform.prepare_params(params, dtype)
-            if self._placed:
-                self.params = jax.device_put(self.params, self.devices[0])
+        self.params = self._place_params(self._own(params) if given else params)
+        self.is_sleeping = False
+        # sleep(level=1): the weights on the host, with their shardings.
+        self._host_weights: tuple[Params, Params] | None = None
         kv_name = config.kv_cache_dtype
         kv_dtype = dtype if kv_name == "auto" else jnp.dtype(KV_CACHE_DTYPES[kv_name])
         # The whole pool (its KV heads replicated where the split needs more), and one
@@ -157,6 +156,87 @@ class Worker:
             self.runner.set_kv_scales(*kv_scales)
             how = "calibrated" if config.calculate_kv_scales else "given"
             logger.info("fp8 KV scales (%s): %s", how, describe(*kv_scales))
+
+    def _place_params(self, params: Params) -> Params:
+        """Weights (pagedjax layout) as the step runs them: in the platform's layout on this
+        engine's device, or split over its tensor-parallel group."""
+        if self.tp is not None:
+            # The split's layout, then each device receives only its slice of the weights.
+            size = self.config.tensor_parallel_size
+            return place_params(layout_params(params, self.model_config, size), self.tp)
+        params = self.platform.prepare_params(params, jnp.dtype(self.config.dtype))
+        if self._placed:
+            params = jax.device_put(params, self.devices[0])
+        return params
+
+    # ------------------------------------------------------------ weights in and out
+
+    def _own(self, params: Params) -> Params:
+        """A caller's weights as the engine's own copy, in its dtype: they never alias the
+        caller's arrays, which a training step may donate or overwrite."""
+        dtype = jnp.dtype(self.config.dtype)
+
+        def own(a):
+            if isinstance(a, (LinearWeight, StackedLinearWeight)):
+                return a  # a weight type (block codes) keeps its own dtypes
+            if isinstance(a, jax.Array) or self.tp is None:
+                return jnp.array(a, dtype=dtype, copy=True)
+            return np.asarray(a, dtype)  # the split places host arrays slice by slice
+
+        weight_type = lambda a: isinstance(a, (LinearWeight, StackedLinearWeight))
+        return jax.tree.map(own, params, is_leaf=weight_type)
+
+    def set_params(self, params: Params) -> None:
+        """Replaces the weights by `params` (pagedjax layout, float, shapes checked by the
+        caller), prepared and placed as at start-up. Weights of the types the engine runs
+        already compile nothing new; float weights replacing block codes (a GGUF's) compile
+        the step once more."""
+        placed = self._place_params(self._own(params))
+        self._delete(self.params)
+        self.params = self.runner.params = placed
+        self._memory = None  # the weights' bytes may differ (block codes replaced)
+        self._host_weights = None  # a sleeping engine's copy of the old ones is moot
+
+    @property
+    def has_weights(self) -> bool:
+        """False after sleep(level=2) until `set_params` gives new weights."""
+        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.params))
+
+    @staticmethod
+    def _delete(tree) -> None:
+        for leaf in jax.tree.leaves(tree):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees this engine's device memory for another program (a trainer): the KV pool,
+        and the weights, copied to the host at level 1 and discarded at level 2 (the next
+        weights then come from `set_params`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.is_sleeping:
+            return
+        if level == 1 and self.has_weights:
+            shardings = jax.tree.map(lambda a: a.sharding, self.params)
+            self._host_weights = (jax.device_get(self.params), shardings)
+        self._delete(self.params)
+        self._delete(self.runner.kv_cache)
+        self.is_sleeping = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Gives back what `sleep` freed: "weights" (from their host copy; after level 2, new
+        ones come from `set_params`) and "kv_cache" (a zeroed pool); both by default."""
+        tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}: use weights, kv_cache")
+        if "weights" in tags and self._host_weights is not None:
+            weights, shardings = self._host_weights
+            self.params = self.runner.params = jax.device_put(weights, shardings)
+            self._host_weights = None
+        if "kv_cache" in tags and self.runner.kv_cache_lost():
+            self.runner.reset_kv_cache()
+        self.is_sleeping = self._host_weights is not None or self.runner.kv_cache_lost()
 
     def _start(self, backends: Sequence[AttentionBackend]) -> None:
         """Sizes the pool and builds the runner on the first of `backends` that compiles and

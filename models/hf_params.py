@@ -1,0 +1,150 @@
+"""Params in memory, in either naming: Hugging Face's flat state dict (what a JAX trainer that
+loaded an HF checkpoint holds: "model.layers.0.self_attn.q_proj.weight" -> [out, in]) and
+pagedjax's fused, stacked layout (`models/llama.py`).
+
+The conversions use jax.numpy, so weights on a device stay there (a trainer's weights reach
+the engine without a host round trip); the loader reads files with numpy instead
+(`models/loader.py`), filling preallocated host buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.errors import ModelLoadError
+from models.llama import Params
+from models.loader import FUSED_MATMULS
+
+
+def is_hf_state(params: Mapping) -> bool:
+    """Whether `params` is a flat HF state dict rather than pagedjax's layout."""
+    return "layers" not in params and any(
+        isinstance(k, str) and k.startswith("model.") for k in params
+    )
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The pagedjax layout's shapes for `config` (float weights), as a params tree of tuples."""
+    L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
+    Q, KV, V = config.q_size, config.kv_size, config.vocab_size
+    layers = {
+        "attn_norm": (L, H),
+        "wqkv": (L, H, Q + 2 * KV),
+        "wo": (L, Q, H),
+        "mlp_norm": (L, H),
+        "w_gate_up": (L, H, 2 * I),
+        "w_down": (L, I, H),
+    }
+    if config.attention_bias:
+        layers["bqkv"] = (L, Q + 2 * KV)
+    if config.qk_norm:
+        layers["q_norm"] = layers["k_norm"] = (L, config.head_dim)
+    shapes: Params = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    return shapes
+
+
+def check_params(config: ModelConfig, params: Params) -> None:
+    """Raises ModelLoadError naming the first weight missing, extra or of the wrong shape."""
+    expected = param_shapes(config)
+    for group, want, have in (("", expected, params), ("layers.", expected["layers"], None)):
+        have = params.get("layers", {}) if have is None else have
+        if not isinstance(have, Mapping):
+            raise ModelLoadError(f"params[{group!r}] must be a dict of arrays")
+        for name in sorted(set(want) | set(have)):
+            if name == "layers" and not group:
+                continue
+            if name not in have:
+                raise ModelLoadError(f"params has no {group}{name} (shape {want[name]})")
+            if name not in want:
+                raise ModelLoadError(f"params has an unexpected {group}{name} for this model")
+            shape = tuple(getattr(have[name], "shape", ()))
+            if shape != want[name]:
+                raise ModelLoadError(
+                    f"params {group}{name} has shape {shape}; this model's is {want[name]}"
+                )
+
+
+def params_from_hf_state(
+    config: ModelConfig, state: Mapping[str, jax.Array], dtype: jnp.dtype | None = None
+) -> Params:
+    """HF-named weights ([out, in] matrices) -> pagedjax's layout (fused [in, out], stacked)."""
+
+    def get(name: str) -> jax.Array:
+        if name not in state:
+            raise ModelLoadError(f"the HF state dict has no {name!r}: it does not match the model")
+        return jnp.asarray(state[name], dtype)
+
+    def stacked(fn) -> jax.Array:
+        return jnp.stack([fn(f"model.layers.{i}.") for i in range(config.num_layers)])
+
+    def fused(parts: tuple[str, ...]):
+        return lambda p: jnp.concatenate([get(f"{p}{part}.weight").T for part in parts], axis=1)
+
+    layers = {
+        "attn_norm": stacked(lambda p: get(p + "input_layernorm.weight")),
+        "mlp_norm": stacked(lambda p: get(p + "post_attention_layernorm.weight")),
+    }
+    layers.update({name: stacked(fused(parts)) for name, parts in FUSED_MATMULS.items()})
+    if config.attention_bias:
+        qkv = FUSED_MATMULS["wqkv"]
+        layers["bqkv"] = stacked(lambda p: jnp.concatenate([get(f"{p}{q}.bias") for q in qkv]))
+    if config.qk_norm:
+        layers["q_norm"] = stacked(lambda p: get(p + "self_attn.q_norm.weight"))
+        layers["k_norm"] = stacked(lambda p: get(p + "self_attn.k_norm.weight"))
+    params: Params = {
+        "embed": get("model.embed_tokens.weight"),
+        "layers": layers,
+        "final_norm": get("model.norm.weight"),
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").T
+    check_params(config, params)
+    return params
+
+
+def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.Array]:
+    """pagedjax's layout (float weights) -> HF-named weights, the inverse of
+    `params_from_hf_state`."""
+    check_params(config, params)
+    Q, KV, I = config.q_size, config.kv_size, config.intermediate_size  # noqa: E741
+    widths = {"wqkv": (Q, KV, KV), "w_gate_up": (I, I)}
+    layers = params["layers"]
+    state = {
+        "model.embed_tokens.weight": params["embed"],
+        "model.norm.weight": params["final_norm"],
+    }
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = params["lm_head"].T
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = layers["attn_norm"][i]
+        state[p + "post_attention_layernorm.weight"] = layers["mlp_norm"][i]
+        for name, parts in FUSED_MATMULS.items():
+            w = layers[name][i]
+            bounds = _bounds(widths.get(name, (w.shape[1],)))
+            for part, (start, stop) in zip(parts, bounds, strict=True):
+                state[f"{p}{part}.weight"] = w[:, start:stop].T
+        if config.attention_bias:
+            for part, (start, stop) in zip(
+                FUSED_MATMULS["wqkv"], _bounds((Q, KV, KV)), strict=True
+            ):
+                state[f"{p}{part}.bias"] = layers["bqkv"][i, start:stop]
+        if config.qk_norm:
+            state[p + "self_attn.q_norm.weight"] = layers["q_norm"][i]
+            state[p + "self_attn.k_norm.weight"] = layers["k_norm"][i]
+    return state
+
+
+def _bounds(widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(start, stop)] of consecutive column blocks of the given widths."""
+    out, start = [], 0
+    for width in widths:
+        out.append((start, start + width))
+        start += width
+    return out

@@ -1,0 +1,182 @@
+"""Weights in and out of a running engine (pagedjax/weight_sync.py): LLM(params=...),
+update_weights / load_weights, sleep / wake_up."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.errors import ModelLoadError
+from models.hf_params import hf_state_from_params
+from models.loader import load_model
+from pagedjax import LLM, SamplingParams
+from pagedjax.errors import EngineSleepingError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 17, 33, 40, 41, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+OPTIONS = dict(max_model_len=64, num_kv_blocks=24, block_size=16)
+
+
+def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def perturbed(params, scale: float, seed: int = 1):
+    """Other weights of the same shapes (a training step's worth of change)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(tree, noisy)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    path, hf_model = tiny_model_dir("llama")
+    config, params = load_model(path)
+    return path, hf_model, config, params
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    path, *_ = model
+    return LLM(str(path), **OPTIONS)
+
+
+def test_an_engine_from_weights_in_memory(model, llm):
+    """From an HF state dict and a transformers config, or pagedjax's layout and a path:
+    no weight file is read, and greedy tokens are the file-loaded engine's."""
+    path, hf_model, config, params = model
+    from transformers import AutoTokenizer
+
+    expected = tokens(llm)
+    state = {k: jnp.asarray(v.numpy()) for k, v in hf_model.state_dict().items()}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    in_memory = LLM(hf_model.config, params=state, tokenizer=tokenizer, **OPTIONS)
+    assert tokens(in_memory) == expected
+    assert tokens(LLM(str(path), params=params, **OPTIONS)) == expected
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        LLM(hf_model.config, params=state)
+
+
+def test_update_weights_changes_the_model_without_compiling(model, llm):
+    path, _, config, params = model
+    before = tokens(llm)
+    other = perturbed(params, 0.5)
+    reference = tokens(LLM(str(path), params=other, **OPTIONS))
+    assert reference != before
+    compilations = llm.llm_engine.stats()["num_compilations"]
+    llm.update_weights(other)
+    assert tokens(llm) == reference
+    llm.load_weights(hf_state_from_params(config, params).items())  # vLLM's form, HF names
+    assert tokens(llm) == before
+    assert llm.llm_engine.stats()["num_compilations"] == compilations
+    assert llm.llm_engine.stats()["prefix_cache_hit_rate"] >= 0  # reset, still reported
+
+
+def test_bad_weights_say_what_and_change_nothing(model, llm):
+    _, _, config, params = model
+    before = tokens(llm)
+    wrong = dict(params, final_norm=jnp.ones(3))
+    with pytest.raises(ModelLoadError, match="final_norm has shape"):
+        llm.update_weights(wrong)
+    partial = list(hf_state_from_params(config, params).items())[:-3]
+    with pytest.raises(ModelLoadError, match="has no"):
+        llm.load_weights(partial)
+    assert tokens(llm) == before
+
+
+def test_requests_in_flight_are_recomputed_on_the_new_weights(model, llm):
+    """A request running when the weights change keeps its tokens so far and continues as
+    the new weights continue them (its KV recomputed), with and without a step in flight."""
+    path, _, _, params = model
+    other = perturbed(params, 0.5)
+    prompt = PROMPTS[1]
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": prompt}, long)
+    while engine.engine_core.num_generated_tokens < 4:
+        engine.step()
+    assert engine.engine_core.has_step_in_flight()  # async scheduling: its 5th token
+    outputs = engine.update_weights(other)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5]  # the step in flight's
+    assert engine.stats()["kv_blocks_used"] == 0  # preempted: its KV was the old weights'
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+    out = list(final.outputs[0].token_ids)
+    assert len(out) == 10
+    head = out[:5]  # four tokens, and the one the step in flight sampled
+    new = LLM(str(path), params=other, **OPTIONS)
+    continued = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert out[5:] == tokens(new, [prompt + head], continued)[0]
+    llm.update_weights(params)
+
+
+def test_sleep_gives_the_memory_back_and_wake_up_restores_it(model):
+    path, _, _, params = model
+    llm = LLM(str(path), **OPTIONS)
+    before = tokens(llm)
+
+    def device_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+    awake = device_bytes()
+    pool = llm.llm_engine.stats()["kv_cache_bytes_total"]
+    weights = llm.llm_engine.stats()["weights_bytes_total"]
+    llm.sleep(level=1)
+    assert awake - device_bytes() >= pool + weights
+    with pytest.raises(EngineSleepingError, match="wake_up"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert device_bytes() >= awake - 1024
+    assert tokens(llm) == before
+
+    llm.sleep(level=2)  # the weights are discarded: new ones come from update_weights
+    llm.wake_up()
+    with pytest.raises(EngineSleepingError, match="update_weights"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.update_weights(params)
+    assert tokens(llm) == before
+    assert np.isfinite(llm.llm_engine.stats()["kv_usage"])
+
+
+def test_async_llm_updates_weights_between_steps(model, llm):
+    """The server's engine: a request streaming while the weights change finishes, its
+    tokens the old weights' up to some point and the new weights' continuation after it;
+    sleep refuses while requests run."""
+    import asyncio
+
+    from pagedjax.async_llm import AsyncLLM
+
+    path, _, _, params = model
+    engine = AsyncLLM(str(path), **OPTIONS)
+    other = perturbed(params, 0.5)
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def run() -> list[int]:
+        final = None
+        async for output in engine.generate({"prompt_token_ids": PROMPTS[0]}, long, "a"):
+            if len(output.outputs[0].token_ids) == 3:
+                await engine.update_weights(other)
+                with pytest.raises(ValueError, match="unfinished"):
+                    await engine.sleep()
+            final = output
+        return list(final.outputs[0].token_ids)
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(out) == 12
+    old = tokens(llm, [PROMPTS[0]], long)[0]
+    differs = next(i for i, (a, b) in enumerate(zip(out, old, strict=True)) if a != b)
+    assert differs >= 3
+    new = LLM(str(path), params=other, **OPTIONS)
+
+    def continued(k: int) -> list[int]:
+        rest = SamplingParams(temperature=0.0, max_tokens=12 - k, ignore_eos=True)
+        return tokens(new, [PROMPTS[0] + out[:k]], rest)[0]
+
+    assert any(out[k:] == continued(k) for k in range(3, differs + 1))

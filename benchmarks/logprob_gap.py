@@ -27,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--attention-backend", default="auto", help="the engine's: auto, xla, ...")
     args = parser.parse_args()
 
     import numpy as np
@@ -36,7 +37,7 @@ def main() -> None:
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    llm = LLM(max_model_len=512)
+    llm = LLM(max_model_len=512, attention_backend=args.attention_backend)
     tokenizer = llm.get_tokenizer()
     prompts = [chat_ids(tokenizer, f"Explain {t} briefly.") for t in TOPICS[: args.prompts]]
     sampling = [
@@ -69,6 +70,7 @@ def main() -> None:
         "prompts": len(outputs),
         "sampled_tokens": int(sum(len(e) for e in engine)),
         "temperature": 1.0,
+        "attention_backend": llm.llm_engine.workers[0].attention.name,
         "engine_mean_logprob": float(np.mean(np.concatenate(engine))),
     }
     _, float32_params = load_model(None)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from pagedjax.attention import BACKENDS
 from pagedjax.core.sched_policy import POLICIES
+
+if TYPE_CHECKING:
+    from kernels_pallas.backend import AttentionBackend
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
@@ -32,7 +36,9 @@ class EngineConfig:
     # "auto": the platform's choice (Pallas kernels on a GPU; on the CPU the C++ kernel, or
     # XLA's loops where it does not apply); "reference": the per-token oracle; "pallas" on
     # the CPU runs the kernels in interpret mode (tests). See pagedjax/attention.py.
-    attention_backend: str = "auto"
+    # A registered backend's name (`pagedjax/attention.py`), or a user's backend object with
+    # the contract of `kernels_pallas.backend.AttentionBackend` (e.g. a FunctionBackend).
+    attention_backend: str | AttentionBackend = "auto"
     # "auto" (vLLM's default) with a Pallas failure at start-up (compile or first step): warn
     # once and run the next backend of the platform's auto list (XLA); False: raise instead.
     attention_fallback: bool = True
@@ -94,10 +100,13 @@ class EngineConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be positive: {self.max_num_batched_tokens}",
         )
+        backend = self.attention_backend
         check(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
-            f"{self.attention_backend!r}",
+            backend in ATTENTION_BACKENDS
+            if isinstance(backend, str)
+            else callable(backend) and hasattr(backend, "supports"),
+            f"attention_backend must be one of {ATTENTION_BACKENDS} or an AttentionBackend "
+            f"object (kernels_pallas.backend), got {backend!r}",
         )
         check(
             self.dtype in DTYPE_NAMES,

@@ -46,20 +46,28 @@ class Platform:
         the CPU's kernels multiply fastest and the tests compare exactly)."""
         return "float32" if requested == "auto" else requested
 
-    def attention_backend(self, requested: str, spec: AttentionSpec) -> AttentionBackend:
+    def attention_backend(
+        self, requested: str | AttentionBackend, spec: AttentionSpec
+    ) -> AttentionBackend:
         """The backend for `requested` ("auto": the first of `auto_attention` that runs
         `spec`); raises ValueError saying why when the requested one cannot."""
         return self.attention_backends(requested, spec)[0]
 
     def attention_backends(
-        self, requested: str, spec: AttentionSpec
+        self, requested: str | AttentionBackend, spec: AttentionSpec
     ) -> tuple[AttentionBackend, ...]:
-        """The backends that can run `spec`, in the order to try them: `requested` alone, or
-        for "auto" those of `auto_attention` that can; raises ValueError saying why if none."""
-        names = self.auto_attention if requested == "auto" else (requested,)
+        """The backends that can run `spec`, in the order to try them: `requested` alone (a
+        name, or a user's backend object), or for "auto" those of `auto_attention` that can;
+        raises ValueError saying why if none."""
+        if not isinstance(requested, str):
+            candidates = [requested]
+        elif requested == "auto":
+            candidates = [get_backend(name) for name in self.auto_attention]
+        else:
+            candidates = [get_backend(requested)]
         backends, reasons = [], []
-        for name in names:
-            backend = get_backend(name)
+        for backend in candidates:
+            name = backend.name
             reason = backend.supports(spec)
             if reason is None and backend.kv_layout != KV_LAYOUT:
                 reason = f"it reads a {backend.kv_layout} pool; the engine allocates {KV_LAYOUT}"

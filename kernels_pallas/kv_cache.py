@@ -154,3 +154,20 @@ def copy_blocks(cache: KVCache, copies: jax.Array) -> KVCache:
         cache.k_scale,
         cache.v_scale,
     )
+
+
+def read_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The K and V of whole blocks, [num_layers, num_kv_heads, len(block_ids), block_size,
+    head_dim] each: what a swap to host memory carries."""
+    return cache.k[:, :, block_ids], cache.v[:, :, block_ids]
+
+
+def write_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """The pool with whole blocks replaced by k and v (as `read_blocks` returns them);
+    padding rows go to NULL_BLOCK, which nothing reads unmasked."""
+    return KVCache(
+        cache.k.at[:, :, block_ids].set(k.astype(cache.k.dtype)),
+        cache.v.at[:, :, block_ids].set(v.astype(cache.v.dtype)),
+        cache.k_scale,
+        cache.v_scale,
+    )

@@ -18,9 +18,10 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 
+from models.llama import Params
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest
 from pagedjax.engine import LLMEngine
@@ -176,7 +177,7 @@ class AsyncLLM:
         self._commands.put(_Call(fn, loop, future))
         await future
 
-    async def update_weights(self, params) -> None:
+    async def update_weights(self, params: Params | Mapping[str, object]) -> None:
         """New weights between steps (`pagedjax/weight_sync.py`); running requests go on,
         recomputed on them."""
         await self._call(lambda: self.engine.update_weights(params))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedjax.attention import BACKENDS
 from pagedjax.core.sched_policy import POLICIES
+from pagedjax.core.swap_policy import PREEMPTION_MODES
 
 if TYPE_CHECKING:
     from kernels_pallas.backend import AttentionBackend
@@ -32,12 +33,18 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 128  # running requests at once
     enable_prefix_caching: bool = True
+    # The KV cache's host tier (`pagedjax/core/host_pool.py`): GiB of host memory for the
+    # blocks of preempted requests (vLLM's name and default; 0: none), mapped as used.
+    # preemption_mode: "auto" swaps a victim out when copying its KV out and back costs less
+    # than recomputing it (`pagedjax/core/swap_policy.py`), "swap" whenever the tier has
+    # room, "recompute" never.
+    swap_space: float = 4.0
+    preemption_mode: str = "auto"
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
     # "auto": the platform's choice (Pallas kernels on a GPU; on the CPU the C++ kernel, or
     # XLA's loops where it does not apply); "reference": the per-token oracle; "pallas" on
-    # the CPU runs the kernels in interpret mode (tests). See pagedjax/attention.py.
-    # A registered backend's name (`pagedjax/attention.py`), or a user's backend object with
-    # the contract of `kernels_pallas.backend.AttentionBackend` (e.g. a FunctionBackend).
+    # the CPU runs the kernels in interpret mode (tests). See pagedjax/attention.py. Or a
+    # user's backend object with the contract of `kernels_pallas.backend.AttentionBackend`.
     attention_backend: str | AttentionBackend = "auto"
     # "auto" (vLLM's default) with a Pallas failure at start-up (compile or first step): warn
     # once and run the next backend of the platform's auto list (XLA); False: raise instead.
@@ -99,6 +106,11 @@ class EngineConfig:
         check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be positive: {self.max_num_batched_tokens}",
+        )
+        check(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        check(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
         )
         backend = self.attention_backend
         check(

@@ -200,5 +200,7 @@ class DataParallelCore:
         hits = [core.kv_cache_manager.prefix_cache_stats for core in self.cores]
         queries = sum(h.queries for h in hits)
         total["prefix_cache_hit_rate"] = sum(h.hits for h in hits) / queries if queries else 0.0
+        host = sum(h.host_hits for h in hits)
+        total["prefix_cache_host_hit_rate"] = host / queries if queries else 0.0
         total["replicas"] = per_replica
         return total

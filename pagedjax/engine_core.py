@@ -19,6 +19,7 @@ from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
 from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.swap_policy import SwapCostModel, preemption_policy
 from pagedjax.errors import InvalidRequestError
 from pagedjax.worker.model_runner import StepHandle
 from pagedjax.worker.worker import Worker
@@ -34,7 +35,19 @@ class EngineCore:
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             kv_spec=worker.kv_spec,
+            num_host_blocks=worker.num_host_blocks,
         )
+        prefer_swap = None  # without a host tier every victim recomputes
+        if worker.num_host_blocks:
+            model, platform = worker.model_config, worker.platform
+            swap_cost = SwapCostModel(
+                bytes_per_token=worker.kv_spec.bytes_per_token,
+                matmul_flops_per_token=2 * model.num_layer_params(),
+                attention_flops_per_token_pair=4 * model.num_layers * model.q_size,
+                transfer_bytes_per_s=platform.host_transfer_bytes_per_s,
+                flops_per_s=platform.flops_per_s,
+            )
+            prefer_swap = preemption_policy(config.preemption_mode, swap_cost)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -42,6 +55,7 @@ class EngineCore:
             max_model_len=config.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=POLICIES[config.scheduling_policy](),
+            prefer_swap=prefer_swap,
         )
         self.num_steps = 0
         # Async scheduling: the step on the device while the next one is scheduled.
@@ -201,7 +215,12 @@ class EngineCore:
             "kv_blocks_used": ledger.used_blocks,
             "kv_blocks_total": ledger.total_blocks,
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+            # Prompt tokens found in the host tier (copied back, not recomputed).
+            "prefix_cache_host_hit_rate": self.kv_cache_manager.prefix_cache_stats.host_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_preemptions": self.scheduler.num_swaps,
+            "host_kv_blocks_used": self.kv_cache_manager.host_pool.num_used_blocks,
+            "host_kv_blocks_total": self.kv_cache_manager.host_pool.num_blocks,
             "num_compilations": self.worker.runner.num_compilations,
             "num_generated_tokens": self.scheduler.num_generated_tokens,
             "num_prompt_tokens": self.scheduler.num_prompt_tokens,

@@ -186,6 +186,7 @@ class LLM:
             prompts, sampling_params, RequestOutputKind.FINAL_ONLY, priority, lora_request
         )
         finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -195,7 +196,8 @@ class LLM:
             generated = 0
             while len(finished) < len(ids):
                 for output in self.llm_engine.step():
-                    if output.finished:
+                    # Requests added to the engine directly are not this call's to return.
+                    if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         if bar is not None:
                             bar.update(1)

@@ -41,11 +41,6 @@ VLLM_KEYWORDS: dict[str, Keyword] = {
         "True or False",
         "JAX compiles each bucketed step shape once; there is no eager mode or CUDA graph",
     ),
-    "swap_space": Keyword(
-        lambda v: isinstance(v, (int, float)) and v >= 0,
-        "a number of GiB >= 0",
-        "no host swap space yet: a preempted request is recomputed",
-    ),
     "cpu_offload_gb": Keyword(_one_of(0, 0.0), "0", "weights stay on the device"),
     "tokenizer_mode": Keyword(
         _one_of("auto", "hf"), '"auto" or "hf"', "the Hugging Face (fast) tokenizer"

@@ -54,16 +54,24 @@ def engine_case(model_dir: str, tp: int, dp: int) -> dict:
     first = generate(llm, case_params())
     again = generate(llm, case_params())  # the prefix cache holds every prompt now
     stats = llm.llm_engine.stats()
-    beam_params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
-    beams = llm.beam_search(prompts()[3:6], beam_params)  # forks in each replica
     result = {
         "tokens": first,
         "again": again,
-        "beams": [[beam.tokens for beam in output.sequences] for output in beams],
         "preemptions": stats["num_preemptions"],
         "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "memory": {k: v for k, v in stats.items() if "bytes" in k or k == "num_devices"},
     }
+    if tp == dp:  # one device, and forks in each replica of a split group
+        beam_params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+        beams = llm.beam_search(prompts()[3:6], beam_params)
+        result["beams"] = [[beam.tokens for beam in output.sequences] for output in beams]
+    if tp > 1 and dp > 1:  # new weights split over each replica's group, nothing compiled
+        from models.loader import load_model
+
+        compilations = llm.llm_engine.stats()["num_compilations"]
+        llm.update_weights(load_model(model_dir)[1])
+        result["after_update"] = generate(llm, case_params())
+        result["update_compilations"] = llm.llm_engine.stats()["num_compilations"] - compilations
     if dp > 1:
         core = llm.llm_engine.engine_core
         result["replica_prompt_tokens"] = [s["num_prompt_tokens"] for s in stats["replicas"]]

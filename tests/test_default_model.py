@@ -19,12 +19,6 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "What is the boiling point of water in Celsius?",
     "Name the largest planet in our solar system.",
-    "Describe a cat in five words.",
-    "What does CPU stand for?",
-    "Suggest a name for a pet goldfish.",
-    "Why is the sky blue? Answer briefly.",
-    "What is the opposite of cold?",
-    "Write one sentence about autumn.",
 ]
 MAX_TOKENS = 32
 

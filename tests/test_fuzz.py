@@ -17,6 +17,7 @@ from tests.test_engine import make_engine
 
 NUM_WORKLOADS = int(__import__("os").environ.get("PAGEDJAX_FUZZ_WORKLOADS", 200))
 MAX_PROMPT, MAX_OUTPUT = 24, 8
+HOST_BYTES_PER_TOKEN = 2 * 3 * 32 * 4  # the tiny llama's K and V: 3 layers x 32 wide, float32
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_fuzz_workloads(tiny_loaded):
                     alone_cache[key] = out.outputs[0].token_ids, scores
         return alone_cache[key]
 
-    totals = {"requests": 0, "aborted": 0, "preemptions": 0, "hit_tokens": 0}
+    totals = {"requests": 0, "aborted": 0, "preemptions": 0, "swaps": 0, "hit_tokens": 0}
     for workload in range(NUM_WORKLOADS):
         block_size = rng.choice([8, 16])
         engine = make_engine(
@@ -69,6 +70,10 @@ def test_fuzz_workloads(tiny_loaded):
             max_num_batched_tokens=rng.choice([8, 32]),
             max_num_seqs=rng.choice([1, 4]),
             enable_prefix_caching=rng.random() < 0.7,
+            # Victims swap to the host tier (a roomy one, or one of a few blocks that leaves
+            # most to recompute) or recompute.
+            preemption_mode=rng.choice(["auto", "swap", "recompute"]),
+            swap_space=rng.choice([1.0, 3 * block_size * HOST_BYTES_PER_TOKEN / 2**30]),
         )
         shared = [rng.randrange(3, 128) for _ in range(rng.randint(0, 16))]
         plans = []
@@ -129,12 +134,15 @@ def test_fuzz_workloads(tiny_loaded):
                 assert got == pytest.approx(prompt_logprobs, abs=1e-5), request_id
         pool = engine.engine_core.kv_cache_manager.block_pool
         assert pool.num_used_blocks == 0
+        assert engine.engine_core.kv_cache_manager.host_pool.num_used_blocks == 0
         assert all(block.ref_cnt == 0 for block in pool.blocks[1:])
         real_chains = {h for chain in chains for h in hash_request_tokens(chain, block_size)}
         assert set(pool.cached_blocks) <= real_chains
         totals["requests"] += len(plans)
         totals["aborted"] += len(aborted)
         totals["preemptions"] += engine.engine_core.scheduler.num_preemptions
+        totals["swaps"] += engine.engine_core.scheduler.num_swaps
         totals["hit_tokens"] += engine.engine_core.kv_cache_manager.prefix_cache_stats.hits
     print(f"fuzz: {NUM_WORKLOADS} workloads, {totals}")
-    assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["aborted"] > 0
+    assert totals["preemptions"] > totals["swaps"] > 0
+    assert totals["hit_tokens"] > 0 and totals["aborted"] > 0

@@ -40,11 +40,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(2, 20),
         block_size=st.sampled_from([1, 2, 3, 4]),
         enable_caching=st.sampled_from([True, True, True, False]),
+        num_host_blocks=st.sampled_from([0, 2, 32]),
     )
-    def setup(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
-        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
+    def setup(
+        self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int
+    ) -> None:
+        self.manager = KVCacheManager(
+            num_blocks, block_size, enable_caching=enable_caching, num_host_blocks=num_host_blocks
+        )
         self.block_size = block_size
         self.device: dict[int, list[int | None]] = {}  # block id -> token per slot
+        self.host: dict[int, list[int | None]] = {}  # the host tier, likewise
+        self.swapped: dict[int, Request] = {}  # swapped out, keeping their computed tokens
+        self.prompts: list[tuple[list[int], str | None]] = []  # every prompt admitted
         self.running: dict[int, Request] = {}
         self.waiting: list[Request] = []  # preempted, to be re-admitted with their tokens
         self.batch: dict[int, int] = {}  # request id -> tokens scheduled this step
@@ -77,20 +85,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         salt=SALTS,
         chunk=st.integers(1, 8),
         readmit=st.booleans(),
+        again=st.booleans(),
     )
-    def admit(self, data, prompt, salt, chunk, readmit) -> None:
+    def admit(self, data, prompt, salt, chunk, readmit, again) -> None:
         if readmit and self.waiting:
             request = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))
         else:
+            if again and self.prompts:  # a returning prompt: cached, maybe evicted to host
+                prompt, salt = data.draw(st.sampled_from(self.prompts))
+            self.prompts.append((prompt, salt))
             request = Request(self._new_id(), prompt, cache_salt=salt)
         manager = self.manager
         hits, num_hits = manager.get_computed_blocks(request)
         assert num_hits == len(hits) * self.block_size
         assert num_hits <= request.num_tokens - 1  # the last token is always computed
         assert all(not b.is_null and b.block_hash is not None for b in hits)
+        # The prefix may go on in the host tier (blocks the device evicted): copied in.
+        num_host = manager.host_prefix_hits(request, len(hits))
+        num_hits += num_host * self.block_size
+        assert num_hits <= request.num_tokens - 1
         num_new = min(chunk, request.num_tokens - num_hits)
         before = self._snapshot()
-        if manager.allocate_slots(request, num_new, hits, num_hits) is None:
+        if manager.allocate_slots(request, num_new, hits, num_hits, num_host) is None:
             assert self._snapshot() == before
             manager.free(request)  # unregister; it holds nothing
             self.waiting.append(request)
@@ -115,6 +131,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     def execute(self, data) -> None:
         """The model runner: copies first, then KV writes, then sample for caught-up requests."""
         bs = self.block_size
+        swaps_out, swaps_in = self.manager.pop_swaps()
+        for device_block, host_block in swaps_out:  # out first, as the worker does
+            self.host[host_block] = list(self.device.get(device_block, [None] * bs))
+        for host_block, device_block in swaps_in:
+            self.device[device_block] = list(self.host[host_block])
         for src, dst in self.manager.pop_block_copies():
             assert NULL_BLOCK_ID not in (src, dst)
             self.device[dst] = list(self.device.get(src, [None] * bs))
@@ -165,6 +186,38 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.waiting.append(request)
 
     @precondition(lambda self: any(rid not in self.batch for rid in self.running))
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        request = self.running[data.draw(st.sampled_from(self._idle()))]
+        if not self.manager.can_swap_out(request):
+            return
+        self.manager.swap_out(request)
+        del self.running[request.request_id]
+        self.swapped[request.request_id] = request
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), chunk=st.integers(0, 8), abort=st.booleans())
+    def swap_in(self, data, chunk, abort) -> None:
+        """Readmission of a swapped request (or its abort, freeing its host blocks)."""
+        request = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
+        manager = self.manager
+        if abort:
+            manager.free(request)
+            del self.swapped[request.request_id]
+            return
+        num_tokens = manager.num_swapped_tokens(request.request_id)
+        assert num_tokens == request.num_computed_tokens
+        num_new = min(chunk, request.num_tokens - num_tokens)
+        before = self._snapshot()
+        if not manager.swap_in(request, num_new):
+            assert self._snapshot() == before
+            return
+        assert manager.allocate_slots(request, num_new) is not None
+        del self.swapped[request.request_id]
+        self.running[request.request_id] = request
+        self.batch[request.request_id] = num_new
+
+    @precondition(lambda self: any(rid not in self.batch for rid in self.running))
     @rule(data=st.data(), tokens=st.lists(TOKENS, min_size=1, max_size=3))
     def append_tokens(self, data, tokens) -> None:
         self.running[data.draw(st.sampled_from(self._idle()))].append_token_ids(tokens)
@@ -206,12 +259,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert pool.num_free_cached_blocks == sum(1 for b in hashed if b.ref_cnt == 0)
         ledger = manager.memory_ledger()
         assert ledger.free_blocks + ledger.used_blocks == ledger.total_blocks
+        # The host tier: each swapped request holds the blocks of its computed tokens.
+        host = manager.host_pool
+        held = sum(-(-r.num_computed_tokens // self.block_size) for r in self.swapped.values())
+        held += len(manager._swaps_in)  # copied in this step, free once it is popped
+        assert host.num_used_blocks == held
+        assert host.num_free_blocks + host.num_used_blocks == host.num_blocks
 
     def teardown(self) -> None:
         if not hasattr(self, "manager"):
             return
-        for request in self.running.values():
+        for request in [*self.running.values(), *self.swapped.values()]:
             self.manager.free(request)
+        self.manager.pop_swaps()
+        assert self.manager.host_pool.num_used_blocks == 0
         pool = self.manager.block_pool
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)

@@ -131,6 +131,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self._num_free_cached = 0  # free blocks that still hold a key (evictable cache)
+        # (block id, key) of each cached block evicted for reuse, when a host tier keeps
+        # them (the KV cache manager drains it); None: not recorded.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -173,6 +176,8 @@ class BlockPool:
                 del cached_blocks[block_hash]
                 block.block_hash = None
                 self._num_free_cached -= 1
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block_hash))
             block.ref_cnt = 1
         return new_blocks
 

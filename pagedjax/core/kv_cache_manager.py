@@ -38,6 +38,7 @@ from pagedjax.core.hashing import (
     extend_block_hashes,
     request_extra_keys,
 )
+from pagedjax.core.host_pool import HostBlockPool
 from pagedjax.core.memory import KVCacheSpec, MemoryLedger
 from pagedjax.core.request import KVCacheRequest
 
@@ -49,14 +50,19 @@ class PrefixCacheStats:
 
     requests: int = 0
     queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found cached
+    hits: int = 0  # tokens found cached on the device
+    host_hits: int = 0  # tokens found in the host tier (copied in)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hits / self.queries if self.queries else 0.0
+
     def reset(self) -> None:
-        self.requests = self.queries = self.hits = 0
+        self.requests = self.queries = self.hits = self.host_hits = 0
 
 
 @dataclass(slots=True)
@@ -73,6 +79,16 @@ class _RequestBlocks:
     # Largest scheduled end that needs nothing allocated, cached or copied (the O(1) decode
     # path); -1 forces the full check, e.g. after a fork may have shared the written block.
     fast_path_end: int = -1
+
+
+@dataclass(slots=True)
+class _SwappedBlocks:
+    """A request whose blocks were swapped out to the host tier."""
+
+    extra_keys: bytes
+    host_ids: list[int]  # holding its first num_tokens tokens' KV, in table order
+    block_hashes: list[BlockHash]
+    num_tokens: int
 
 
 def _is_shared(block: KVCacheBlock) -> bool:
@@ -92,7 +108,9 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         kv_spec: KVCacheSpec | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
+        """num_host_blocks: the host tier's blocks (0: no swapping)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -102,6 +120,14 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self._swapped: dict[Hashable, _SwappedBlocks] = {}
+        # This step's transfers: (device block, host block) out, (host block, device block) in.
+        self._swaps_out: list[tuple[int, int]] = []
+        self._swaps_in: list[tuple[int, int]] = []
+        self._swapped_in_ids: list[int] = []  # host blocks copied in this step, then free
+        if num_host_blocks and enable_caching:  # evicted prefix blocks go to the host tier
+            self.block_pool.evicted = []
 
     # ----------------------------------------------------------------- admission
 
@@ -135,6 +161,21 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def host_prefix_hits(self, request: KVCacheRequest, num_hit_blocks: int) -> int:
+        """How many blocks after the request's `num_hit_blocks` device hits continue its
+        prefix in the host tier (call right after `get_computed_blocks`); pass them to
+        `allocate_slots` as `num_host_hit_blocks`."""
+        if self.block_pool.evicted is None:
+            return 0
+        state = self._requests[request.request_id]
+        max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        count = 0
+        for block_hash in state.block_hashes[num_hit_blocks:max_hit_blocks]:
+            if not self.host_pool.contains(block_hash):
+                break
+            count += 1
+        return count
+
     def num_cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many of the leading blocks under these keys the prefix cache holds; changes
         nothing (a data-parallel router asks every replica before choosing one)."""
@@ -161,12 +202,16 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_host_hit_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request` after its computed ones.
 
         `new_computed_blocks` / `num_new_computed_tokens` are the prefix hit from
-        `get_computed_blocks` (admission only). Returns the freshly allocated blocks
-        (possibly empty), or None, changing nothing, if the free pool cannot cover them.
+        `get_computed_blocks` (admission only), with `num_host_hit_blocks` more from the host
+        tier (`host_prefix_hits`; their tokens counted in `num_new_computed_tokens`): new
+        blocks for those, their copies in queued (`pop_swaps`). Returns the freshly allocated
+        blocks (possibly empty), or None, changing nothing, if the free pool cannot cover
+        them.
 
         If the first written block is shared (held by a fork too, or cached), the request
         gets a private copy: the block table changes at that index and a (src, dst) copy is
@@ -189,7 +234,7 @@ class KVCacheManager:
                 return []  # most decode steps: the token fits in a private, unfilled block
         hits = new_computed_blocks or ()
         num_computed = self._check_allocation(
-            request, state, num_new_tokens, hits, num_new_computed_tokens
+            request, state, num_new_tokens, hits, num_new_computed_tokens, num_host_hit_blocks
         )
         num_scheduled_end = num_computed + num_new_tokens
         cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
@@ -200,10 +245,16 @@ class KVCacheManager:
         if (num_needed or hits) and not self._fits_free_pool(num_needed, hits):
             return None  # nothing changed
         if not state.blocks:
-            self._count_admission(request, num_new_computed_tokens)
+            host_tokens = num_host_hit_blocks * self.block_size
+            self._count_admission(request, num_new_computed_tokens - host_tokens, host_tokens)
         if hits:
             self._apply_prefix_hit(state, hits)
         new_blocks = self._take_new_blocks(state, num_needed, cow_index) if num_needed else []
+        if num_host_hit_blocks:  # the first new blocks take the host tier's hits
+            host_pool, first = self.host_pool, len(hits)
+            for index, block in enumerate(new_blocks[:num_host_hit_blocks], start=first):
+                host_id = host_pool.lookup(state.block_hashes[index])
+                self._swaps_in.append((host_id, block.block_id))
         num_full = num_scheduled_end // self.block_size
         if num_full > state.num_cached_blocks:
             self._cache_full_blocks(request, state, num_full)
@@ -217,12 +268,15 @@ class KVCacheManager:
         num_new_tokens: int,
         hits: Sequence[KVCacheBlock],
         num_new_computed_tokens: int,
+        num_host_hit_blocks: int = 0,
     ) -> int:
         """Raise on arguments that contradict the request's state; return its computed
         tokens once the prefix hit is applied."""
         num_computed = request.num_computed_tokens
         if hits or num_new_computed_tokens:
-            self._check_prefix_hit(request, state, hits, num_new_computed_tokens)
+            self._check_prefix_hit(
+                request, state, hits, num_new_computed_tokens, num_host_hit_blocks
+            )
             num_computed += num_new_computed_tokens
         num_slots = len(state.blocks) * self.block_size
         if not (
@@ -244,16 +298,19 @@ class KVCacheManager:
         state: _RequestBlocks,
         hits: Sequence[KVCacheBlock],
         num_new_computed_tokens: int,
+        num_host_hit_blocks: int = 0,
     ) -> None:
         if state.blocks or request.num_computed_tokens:
             raise InvalidAllocationError(
                 f"request {request.request_id!r} already has computed tokens; a prefix hit "
                 "can only be applied on admission"
             )
-        if num_new_computed_tokens != len(hits) * self.block_size:
+        num_hit_blocks = len(hits) + num_host_hit_blocks
+        if num_new_computed_tokens != num_hit_blocks * self.block_size:
             raise InvalidAllocationError(
-                f"num_new_computed_tokens={num_new_computed_tokens} but {len(hits)} hit blocks "
-                f"hold {len(hits) * self.block_size} tokens; pass both from get_computed_blocks"
+                f"num_new_computed_tokens={num_new_computed_tokens} but {num_hit_blocks} hit "
+                f"blocks hold {num_hit_blocks * self.block_size} tokens; pass both from "
+                "get_computed_blocks (and host_prefix_hits)"
             )
         block_hashes = state.block_hashes
         if (
@@ -295,7 +352,9 @@ class KVCacheManager:
             num_free -= sum(1 for block in hits if block.ref_cnt == 0)
         return num_needed <= num_free
 
-    def _count_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
+    def _count_admission(
+        self, request: KVCacheRequest, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
         """Count an admission that succeeds (the first allocation after get_computed_blocks)
         here, not at the lookup, so a request that waits and looks up again counts once."""
         if self.enable_caching:
@@ -303,6 +362,7 @@ class KVCacheManager:
             stats.requests += 1
             stats.queries += len(request.all_token_ids)
             stats.hits += num_hit_tokens
+            stats.host_hits += num_host_hit_tokens
 
     def _take_new_blocks(
         self, state: _RequestBlocks, num_needed: int, cow_index: int
@@ -408,12 +468,96 @@ class KVCacheManager:
             num_cached_blocks=min(parent_state.num_cached_blocks, num_full),
         )
 
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, request: KVCacheRequest) -> bool:
+        """Whether the host tier has room for the request's computed tokens."""
+        num_blocks = -(-request.num_computed_tokens // self.block_size)
+        return request.request_id in self._requests and self.host_pool.num_free_blocks >= (
+            num_blocks
+        )
+
+    def swap_out(self, request: KVCacheRequest) -> None:
+        """Preemption by swap: the blocks holding the request's computed tokens are queued
+        for copying to host blocks (`pop_swaps`), then freed as by `free`. The caller keeps
+        `request.num_computed_tokens`: `swap_in` brings those tokens back."""
+        if not self.can_swap_out(request):
+            raise InvalidAllocationError(
+                f"request {request.request_id!r} cannot swap out (unknown, or the host tier is "
+                "full); check can_swap_out() first"
+            )
+        state = self._requests[request.request_id]
+        num_tokens = request.num_computed_tokens
+        host_ids = self.host_pool.allocate(-(-num_tokens // self.block_size))
+        self._swaps_out += zip(state.block_ids, host_ids, strict=False)
+        hashes = list(state.block_hashes)
+        self.free(request)
+        self._swapped[request.request_id] = _SwappedBlocks(
+            state.extra_keys, host_ids, hashes, num_tokens
+        )
+
+    def is_swapped(self, request_id: Hashable) -> bool:
+        return request_id in self._swapped
+
+    def num_swapped_tokens(self, request_id: Hashable) -> int:
+        return self._swapped[request_id].num_tokens
+
+    def swap_in(self, request: KVCacheRequest, num_new_tokens: int) -> bool:
+        """Readmission of a swapped-out request: new device blocks for its swapped tokens,
+        queued for copying from the host (`pop_swaps`), with room for `num_new_tokens` more;
+        False, changing nothing, when the free pool cannot hold them. The caller then sets
+        `request.num_computed_tokens` to `num_swapped_tokens` and allocates the new tokens."""
+        swapped = self._swapped[request.request_id]
+        block_size = self.block_size
+        num_needed = -(-(swapped.num_tokens + num_new_tokens) // block_size)
+        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
+            return False
+        del self._swapped[request.request_id]
+        state = self._requests[request.request_id] = _RequestBlocks(swapped.extra_keys)
+        state.block_hashes = swapped.block_hashes
+        blocks = self.block_pool.get_new_blocks(len(swapped.host_ids))
+        self._append_blocks(state, blocks)
+        self._swaps_in += zip(swapped.host_ids, state.block_ids, strict=True)
+        self._swapped_in_ids += swapped.host_ids
+        # Its full blocks hold what they held: offered to the prefix cache again.
+        num_full = swapped.num_tokens // block_size
+        if num_full:
+            self._cache_full_blocks(request, state, num_full)
+        return True
+
+    def pop_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (device, host) copies out and (host, device) copies in: the worker
+        makes the copies out, then in, before the step's block copies and forward."""
+        host_pool, evicted = self.host_pool, self.block_pool.evicted
+        if evicted:  # prefix blocks the device reuses this step: kept on the host
+            for block_id, block_hash in evicted:
+                host_id = host_pool.cache(block_hash)
+                if host_id is not None:
+                    self._swaps_out.append((block_id, host_id))
+            evicted.clear()
+        out, into = self._swaps_out, self._swaps_in
+        self._swaps_out, self._swaps_in = [], []
+        # The host blocks copied in are free (or evictable) from the next step on: this
+        # step's copies out, which run first, must not land in them.
+        host_pool.free(self._swapped_in_ids)
+        self._swapped_in_ids = []
+        host_pool.unpin()
+        return out, into
+
     def free(self, request: KVCacheRequest) -> None:
         """Release the request's blocks, last block first, and forget the request.
 
         Freed blocks keep their cached content until reused; freeing tail-first makes a
-        chain's last blocks the first to be evicted.
+        chain's last blocks the first to be evicted. A swapped-out request's host blocks
+        are released.
         """
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            if self._swaps_out:  # its copy out has not run: it never will
+                gone = set(swapped.host_ids)
+                self._swaps_out = [pair for pair in self._swaps_out if pair[1] not in gone]
+            self.host_pool.free(swapped.host_ids)
+            return
         state = self._requests.pop(request.request_id, None)
         if state is None:
             raise UnknownRequestError(
@@ -490,4 +634,7 @@ class KVCacheManager:
                 f"{len(self._requests)} requests; free all requests first"
             )
         self.block_pool.reset_prefix_cache()
+        self.host_pool.clear_cache()  # the host tier's prefix blocks are as stale
+        if self.block_pool.evicted:
+            self.block_pool.evicted.clear()
         self.prefix_cache_stats.reset()

@@ -69,6 +69,9 @@ class SchedulerOutput:
 
     scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)  # (request, tokens)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW, before the step
+    # Swapping, before the block copies: (device, host) blocks out, then (host, device) in.
+    swaps_out: list[tuple[int, int]] = field(default_factory=list)
+    swaps_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
     seqs: list[ScheduledSequence] = field(default_factory=list)  # one per scheduled request
     rows: list[SampleRow] = field(default_factory=list)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.kv_cache_manager import KVCacheManager
@@ -62,8 +63,13 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         policy: SchedulingPolicy = DEFAULT_POLICY,
+        prefer_swap: Callable[[int], bool] | None = None,
     ) -> None:
+        """prefer_swap(num_computed_tokens): whether a victim with that much KV is swapped to
+        the KV cache manager's host tier (if it has room) rather than recomputed; None:
+        always recompute."""
         self.kv = kv_cache_manager
+        self.prefer_swap = prefer_swap
         self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -74,6 +80,7 @@ class Scheduler:
         self.running: list[EngineRequest] = []  # in policy order from each step's start
         self.requests: dict[str, EngineRequest] = {}  # unfinished user requests' parents
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions by swap (the others recompute)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of the requests added
 
@@ -144,8 +151,16 @@ class Scheduler:
                 "which is not one of its candidates; return one of them"
             )
         self.running.remove(victim)
-        self.kv.free(victim)
-        victim.num_computed_tokens = 0
+        if (
+            self.prefer_swap is not None
+            and self.kv.can_swap_out(victim)
+            and self.prefer_swap(victim.num_computed_tokens)
+        ):
+            self.kv.swap_out(victim)  # its computed tokens come back on readmission
+            self.num_swaps += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -159,6 +174,7 @@ class Scheduler:
         if not out.preempted:  # a step that preempted admits nothing: the pool is tight
             self._admit_waiting(out, budget)
         out.block_copies = self.kv.pop_block_copies()
+        out.swaps_out, out.swaps_in = self.kv.pop_swaps()
         for index, (request, num_new) in enumerate(out.scheduled):
             self._add_model_input(out, index, request, num_new)
         # The step's effects on the host are known now: the next schedule (async scheduling
@@ -211,29 +227,52 @@ class Scheduler:
                 index += 1
                 continue
             room = slots_used + _sequence_slots(request) <= self.max_num_seqs
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if room else ([], 0)
-            if request.skip_prefix_cache:
-                hits, num_hit_tokens = [], 0
-            request.num_computed_tokens = 0
-            remaining = request.num_tokens - num_hit_tokens
-            if self.long_prefill_token_threshold:
-                remaining = min(remaining, self.long_prefill_token_threshold)
-            num_new = min(remaining, budget)
-            if not room or self.kv.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
+            num_new = self._allocate_admission(request, budget) if room else None
+            if num_new is None:
                 if not self._preempt_held(out):
                     break
                 slots_used -= 1
                 index += 1  # the held request went in front of it
                 continue
             self.waiting.pop(index)
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:  # the prefix cache's share, first time
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
             slots_used += _sequence_slots(request)
+
+    def _allocate_admission(self, request: EngineRequest, budget: int) -> int | None:
+        """Blocks for a waiting request's first chunk, from the prefix cache where it hits, or
+        from the host tier for one swapped out; sets its computed tokens and returns the
+        chunk's size, or None (nothing changed) when the pool cannot hold it."""
+        swapped = self.kv.is_swapped(request.request_id)
+        if swapped:
+            hits, num_computed = [], self.kv.num_swapped_tokens(request.request_id)
+        else:
+            hits, num_computed = self.kv.get_computed_blocks(request)
+            num_host = 0
+            if request.skip_prefix_cache:
+                hits, num_computed = [], 0
+            else:  # the prefix continues in the host tier: copied in, not recomputed
+                num_host = self.kv.host_prefix_hits(request, len(hits))
+                num_computed += num_host * self.kv.block_size
+        remaining = request.num_tokens - num_computed
+        if self.long_prefill_token_threshold:
+            remaining = min(remaining, self.long_prefill_token_threshold)
+        num_new = min(remaining, budget)
+        if swapped:
+            if not self.kv.swap_in(request, num_new):
+                return None
+            request.num_computed_tokens = num_computed
+            self.kv.allocate_slots(request, num_new)  # swap_in made room for it
+            return num_new
+        request.num_computed_tokens = 0
+        if self.kv.allocate_slots(request, num_new, hits, num_computed, num_host) is None:
+            return None
+        request.num_computed_tokens = num_computed
+        return num_new
 
     def _preempt_held(self, out: SchedulerOutput) -> bool:
         """Preempts a held running request for a waiting one, if there is any: it computes
@@ -392,11 +431,20 @@ class Scheduler:
             self.waiting.insert(0, child)
 
     def preempt_all(self) -> list[EngineRequest]:
-        """Preempts every running request (e.g. after the device pool was lost)."""
+        """Preempts every running request to recompute (after the device pool was lost, or
+        new weights): no KV of theirs is kept, swapped out or not."""
         out = SchedulerOutput()
         self.running.sort(key=self.policy.sort_key)
-        while self.running:
-            self._preempt(out, self.running)
+        prefer_swap, self.prefer_swap = self.prefer_swap, None
+        try:
+            while self.running:
+                self._preempt(out, self.running)
+        finally:
+            self.prefer_swap = prefer_swap
+        for request in self.waiting:
+            if self.kv.is_swapped(request.request_id):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
         return out.preempted
 
     def finish(self, request: EngineRequest, status: RequestStatus) -> None:
@@ -407,7 +455,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self.kv.has_request(request.request_id):
+        if self.kv.has_request(request.request_id) or self.kv.is_swapped(request.request_id):
             self.kv.free(request)
         request.status = status
         group = request.group

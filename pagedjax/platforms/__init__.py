@@ -40,6 +40,10 @@ class Platform:
     # Whether the worker runs a first step at start-up to check that the attention backend
     # compiles and runs: a GPU's Pallas kernels can fail to for a device or a JAX version.
     probes_attention: bool = False
+    # Rough speeds for the preemption policy's swap-or-recompute choice
+    # (`pagedjax/core/swap_policy.py`): device <-> host bytes/s and prefill FLOP/s.
+    host_transfer_bytes_per_s: float = 4e9  # the CPU: both tiers are RAM, copied by XLA
+    flops_per_s: float = 1e11  # a few CPU cores
 
     def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> str:
         """The weights' and activations' dtype name for `requested` ("auto": float32, which

@@ -51,6 +51,7 @@ from pagedjax.sampler import (
     sample,
 )
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.host_kv import HostKV
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +209,11 @@ class ModelRunner:
         sampling: SamplingKernels,
         tp: TensorParallel | None = None,
         device: jax.Device | None = None,
+        num_host_blocks: int = 0,
     ):
         """tp: run split over its group (params placed by it); device: the one device of
-        an engine that is not the default device's (a data-parallel replica's)."""
+        an engine that is not the default device's (a data-parallel replica's);
+        num_host_blocks: the host tier's blocks (swapping), 0 for none."""
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
         self.kv_spec, self.tp = kv_spec, tp
@@ -222,6 +225,11 @@ class ModelRunner:
         elif device is not None:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(device)
         self.kv_cache = self._allocate(num_blocks)
+        self.host_kv: HostKV | None = None
+        if num_host_blocks:
+            sharding = self._pool_sharding
+            sharding = sharding.k if isinstance(sharding, KVCache) else sharding
+            self.host_kv = HostKV(kv_spec, num_host_blocks, block_size, sharding)
         self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
         self.token_buckets = token_buckets(config.max_num_batched_tokens)
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
@@ -401,9 +409,11 @@ class ModelRunner:
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
         previous: StepHandle | None = None,
+        swaps: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] = ((), ()),
     ) -> ModelRunnerOutput:
         """Runs one step and waits for its result."""
-        return self.dispatch(seqs, rows, block_copies, num_prompt_logprobs, previous).result()
+        handle = self.dispatch(seqs, rows, block_copies, num_prompt_logprobs, previous, swaps)
+        return handle.result()
 
     def dispatch(
         self,
@@ -412,11 +422,17 @@ class ModelRunner:
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
         previous: StepHandle | None = None,
+        swaps: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] = ((), ()),
     ) -> StepHandle:
-        """Dispatches one step without waiting for it: copy-on-write copies, the forward, a
-        sample for each row, and the logprobs of the prompt tokens the sequences name
-        (`num_prompt_logprobs` top ones). Placeholder tokens in `seqs` are `previous`'s
-        samples, read on the device."""
+        """Dispatches one step without waiting for it: the swaps (device -> host copies,
+        then host -> device), copy-on-write copies, the forward, a sample for each row, and
+        the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
+        ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device."""
+        swaps_out, swaps_in = swaps
+        if swaps_out or swaps_in:
+            # Out first: a block swapped in may be one a victim of this step just left.
+            self.host_kv.copy_out(self.kv_cache, swaps_out)
+            self.kv_cache = self.host_kv.copy_in(self.kv_cache, swaps_in)
         ends = np.cumsum([len(s.token_ids) for s in seqs])
         sample_rows = [ends[r.seq_index] - 1 for r in rows]
         prompt_rows, targets = [], []

@@ -8,6 +8,7 @@ runs the steps.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -148,6 +149,7 @@ class Worker:
             kv_dtype.name,
             config.block_size,
         )
+        self.num_host_blocks = self._host_blocks()
         backends = platform.attention_backends(config.attention_backend, self.attention_spec)
         self._start(backends)
         if config.calculate_kv_scales:
@@ -156,6 +158,24 @@ class Worker:
             self.runner.set_kv_scales(*kv_scales)
             how = "calibrated" if config.calculate_kv_scales else "given"
             logger.info("fp8 KV scales (%s): %s", how, describe(*kv_scales))
+
+    def _host_blocks(self) -> int:
+        """The host tier's blocks for swap_space (of the whole pool's heads); ValueError for
+        more than the machine's memory."""
+        config = self.config
+        swap_bytes = int(config.swap_space * 2**30)
+        if not swap_bytes:
+            return 0
+        if self.channel is not None:
+            logger.warning("swap_space: swapping runs on one host for now; off here")
+            return 0
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if swap_bytes > machine:
+            raise ValueError(
+                f"swap_space={config.swap_space} GiB is more than this machine's "
+                f"{machine / 2**30:.1f} GiB of memory: lower swap_space (0 turns swapping off)"
+            )
+        return swap_bytes // self.kv_spec.bytes_per_block(config.block_size)
 
     def _place_params(self, params: Params) -> Params:
         """Weights (pagedjax layout) as the step runs them: in the platform's layout on this
@@ -263,6 +283,7 @@ class Worker:
                     self.platform.sampling,
                     tp=self.tp,
                     device=self.devices[0] if self._placed and self.tp is None else None,
+                    num_host_blocks=self.num_host_blocks,
                 )
                 if self.platform.probes_attention:
                     self._probe()
@@ -404,7 +425,7 @@ class Worker:
         `previous`'s samples."""
         inputs = (out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
         self._publish("step", (*inputs, previous is not None))
-        return self.runner.dispatch(*inputs, previous)
+        return self.runner.dispatch(*inputs, previous, (out.swaps_out, out.swaps_in))
 
     def warmup(self) -> float:
         """Compiles every step shape; returns the seconds spent."""

@@ -1,0 +1,66 @@
+"""Preemption by swap against preemption by recompute, in one run: W2 (prompts of 32-512
+tokens, max_tokens 16-512, greedy, ignore_eos) on the default model with a KV pool that holds
+about a quarter of the requests at once, so requests are preempted again and again.
+
+    python benchmarks/swap.py [--requests 16] [--pool-requests 4]
+
+Prints output tokens/s, preemptions (and how many swapped) and the host tier's peak for each
+mode, the swap/recompute throughput ratio, and checks both produced the same tokens; writes
+results/swap.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, w2  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--pool-requests", type=int, default=4, help="requests the pool holds")
+    args = parser.parse_args()
+
+    from models.loader import load_tokenizer
+    from pagedjax import LLM, SamplingParams
+
+    prompts, max_tokens = w2(load_tokenizer(), args.requests)
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    result: dict = {"requests": args.requests}
+    tokens = {}
+    for mode in ("recompute", "swap"):
+        llm = LLM(
+            max_model_len=longest,
+            num_kv_blocks=kv_blocks(args.pool_requests, longest),
+            preemption_mode=mode,
+            enable_prefix_caching=False,  # recompute gets no help from the cache
+        )
+        llm.llm_engine.engine_core.warmup()  # every step shape compiled before the clock
+        before = llm.llm_engine.stats()
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stats = llm.llm_engine.stats()
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result[f"{mode}_output_tokens_per_s"] = generated / seconds
+        for key in ("num_preemptions", "num_swapped_preemptions", "num_compilations"):
+            result[f"{mode}_{key}"] = stats[key] - before[key]
+        tokens[mode] = [o.outputs[0].token_ids for o in outputs]
+        assert stats["host_kv_blocks_used"] == 0 and stats["kv_blocks_used"] == 0
+    result["swap_vs_recompute"] = (
+        result["swap_output_tokens_per_s"] / result["recompute_output_tokens_per_s"]
+    )
+    result["same_tokens"] = tokens["swap"] == tokens["recompute"]
+    report("swap", result)
+
+
+if __name__ == "__main__":
+    main()

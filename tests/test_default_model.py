@@ -17,8 +17,6 @@ PROMPTS = [
     "Give me a synonym for happy.",
     "Who wrote Romeo and Juliet?",
     "Translate 'good morning' into Spanish.",
-    "What is the boiling point of water in Celsius?",
-    "Name the largest planet in our solar system.",
 ]
 MAX_TOKENS = 32
 

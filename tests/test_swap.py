@@ -15,6 +15,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 TIGHT = dict(block_size=8, num_kv_blocks=11, max_num_batched_tokens=32, max_model_len=64)
 
 
+def count_computed_tokens(engine) -> list[int]:
+    """[tokens the engine's steps computed so far], kept up to date from now on."""
+    computed = [0]
+    schedule = engine.engine_core.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        computed[0] += sum(n for _, n in out.scheduled)
+        return out
+
+    engine.engine_core.scheduler.schedule = counting
+    return computed
+
+
 @pytest.fixture(scope="module")
 def expected(tiny):
     return tokens_of(run(make_engine(tiny, block_size=8), PROMPTS, GREEDY))
@@ -25,22 +39,13 @@ def test_swapped_requests_give_the_unconstrained_tokens(tiny, expected, async_sc
     """Under heavy oversubscription, victims swap out and back in, no token recomputed for
     them: greedy tokens equal an unconstrained pool's and recompute's; nothing leaks."""
     engine = make_engine(tiny, preemption_mode="swap", async_scheduling=async_scheduling, **TIGHT)
-    computed = 0
-    schedule = engine.engine_core.scheduler.schedule
-
-    def counting():
-        nonlocal computed
-        out = schedule()
-        computed += sum(n for _, n in out.scheduled)
-        return out
-
-    engine.engine_core.scheduler.schedule = counting
+    computed = count_computed_tokens(engine)
     assert tokens_of(run(engine, PROMPTS, GREEDY)) == expected
     stats = engine.stats()
     assert stats["num_preemptions"] > 3
     assert stats["num_swapped_preemptions"] == stats["num_preemptions"]
     # Every token computed once (the prefix cache may even serve some): none recomputed.
-    assert computed <= sum(len(p) for p in PROMPTS) + len(PROMPTS) * (GREEDY.max_tokens - 1)
+    assert computed[0] <= sum(len(p) for p in PROMPTS) + len(PROMPTS) * (GREEDY.max_tokens - 1)
     assert stats["kv_blocks_used"] == 0 and stats["host_kv_blocks_used"] == 0
 
     recompute = make_engine(tiny, preemption_mode="recompute", **TIGHT)
@@ -112,17 +117,8 @@ def test_prefix_blocks_evicted_from_the_pool_come_back_from_the_host(tiny):
     kv = engine.engine_core.kv_cache_manager
     assert kv.host_pool.num_cached_blocks > 0
     before = kv.prefix_cache_stats.host_hits
-    computed = 0
-    schedule = engine.engine_core.scheduler.schedule
-
-    def counting():
-        nonlocal computed
-        out = schedule()
-        computed += sum(n for _, n in out.scheduled)
-        return out
-
-    engine.engine_core.scheduler.schedule = counting
+    computed = count_computed_tokens(engine)
     assert tokens_of(run(engine, returning, GREEDY)) == first
     assert kv.prefix_cache_stats.host_hits - before == 32  # its four full blocks
-    assert computed == len(returning[0]) - 32 + GREEDY.max_tokens - 1
+    assert computed[0] == len(returning[0]) - 32 + GREEDY.max_tokens - 1
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["host_kv_blocks_used"] == 0

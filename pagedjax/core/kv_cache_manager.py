@@ -617,6 +617,9 @@ class KVCacheManager:
             bytes_per_block=(
                 None if self.kv_spec is None else self.kv_spec.bytes_per_block(self.block_size)
             ),
+            host_total_blocks=self.host_pool.num_blocks,
+            host_used_blocks=self.host_pool.num_used_blocks,
+            host_cached_blocks=self.host_pool.num_cached_blocks,
         )
 
     # ------------------------------------------------------------ prefix cache

@@ -70,6 +70,11 @@ class MemoryLedger:
     cached_blocks: int
     cached_free_blocks: int
     bytes_per_block: int | None = None
+    # The host tier (swapping, evicted prefix blocks): blocks owned by swapped-out requests,
+    # and blocks holding prefix content (evictable), of host_total_blocks.
+    host_total_blocks: int = 0
+    host_used_blocks: int = 0
+    host_cached_blocks: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -96,4 +101,9 @@ class MemoryLedger:
         )
         if self.bytes_per_block is not None:
             text += f", {self.bytes_per_block} B/block, {self.total_bytes / 2**30:.2f} GiB"
+        if self.host_total_blocks:
+            text += (
+                f"; host tier: {self.host_used_blocks} swapped, {self.host_cached_blocks} "
+                f"cached, {self.host_total_blocks} total"
+            )
         return text

@@ -127,3 +127,19 @@ def tiny(tiny_model_dir):
         return loaded[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' float32 model of the default GGUF, loaded once for the session (the load
+    dequantizes every tensor: the slowest setup of the suite)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from models.loader import resolve_model_path
+
+    path = resolve_model_path(None).path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()

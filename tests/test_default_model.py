@@ -62,11 +62,9 @@ def test_default_model_config(llm):
     assert all(w.bits == 4 for w in params["layers"]["w_gate_up"].layers)
 
 
-def test_greedy_tokens_equal_transformers(llm):
+def test_greedy_tokens_equal_transformers(llm, hf_default_model):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from models.loader import resolve_model_path
     from pagedjax.sampling_params import SamplingParams
 
     tokenizer = llm.get_tokenizer()
@@ -79,10 +77,7 @@ def test_greedy_tokens_equal_transformers(llm):
     outputs = llm.generate(prompt_ids, params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outputs]
 
-    path = resolve_model_path(None).path
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = hf_default_model
     for prompt, ids, tokens in zip(PROMPTS, prompt_ids, ours, strict=True):
         with torch.no_grad():
             out = hf.generate(

@@ -429,17 +429,9 @@ def test_tokenizer_corrupt_header(default_path: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def transformers_model(default_path: Path):
-    torch = pytest.importorskip("torch")
-    import transformers
-
-    start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_path.parent), gguf_file=default_path.name, dtype=torch.float32
-    )
-    print(f"\ntransformers GGUF load: {time.perf_counter() - start:.1f} s")
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
-    return model.config, state
+def transformers_model(hf_default_model):
+    state = {k: v.numpy() for k, v in hf_default_model.state_dict().items()}
+    return hf_default_model.config, state
 
 
 @pytest.mark.slow

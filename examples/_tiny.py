@@ -34,9 +34,14 @@ def build_tiny_tokenizer():
 
 def build_tiny_model(directory: str | Path, seed: int = 0) -> str:
     """Saves a 2-layer Llama (hidden 64, 4 query and 2 KV heads) and its tokenizer into
-    `directory`; returns the path, ready for `LLM(path)`."""
-    import torch
+    `directory`; returns the path, ready for `LLM(path)`. Numpy and safetensors only (no
+    torch): random weights in pagedjax's layout, saved under Hugging Face's names."""
+    import numpy as np
     import transformers
+    from safetensors.numpy import save_file
+
+    from models.config import model_config_from_hf
+    from models.hf_params import hf_state_from_params, param_shapes
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE,
@@ -49,16 +54,24 @@ def build_tiny_model(directory: str | Path, seed: int = 0) -> str:
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
     )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    # The default init (std 0.02) gives nearly flat logits, whose near-ties would make greedy
+    rng = np.random.default_rng(seed)
+    shapes = param_shapes(model_config_from_hf(config.to_dict()))
+
+    # The usual init (std 0.02) gives nearly flat logits, whose near-ties would make greedy
     # tokens depend on rounding; larger weights give every step a clear winner.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn_like(p)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    model.save_pretrained(directory)
+    def init(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        noise = rng.standard_normal(shape).astype(np.float32)
+        return 1.0 + 0.2 * noise if "norm" in name else 0.15 * noise
+
+    params = {k: init(k, v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = {k: init(k, v) for k, v in shapes["layers"].items()}
+    state = hf_state_from_params(model_config_from_hf(config.to_dict()), params)
+    tensors = {name: np.ascontiguousarray(np.asarray(w)) for name, w in state.items()}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(directory)
     build_tiny_tokenizer().save_pretrained(directory)
     return str(directory)
 

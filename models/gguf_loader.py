@@ -473,6 +473,20 @@ def _parse_header_or_raise(
         raise ModelLoadError(f"{path}: corrupt GGUF header ({e}); {_REDOWNLOAD}") from e
 
 
+def _checked_hf_config(path: Path, meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
+    try:
+        return _hf_config(meta, infos)
+    except (ValueError, TypeError, ZeroDivisionError) as e:  # e.g. a string for a count
+        raise ModelLoadError(f"{path}: inconsistent GGUF metadata ({e}); {_REDOWNLOAD}") from e
+
+
+def read_gguf_config(path: str | os.PathLike) -> dict:
+    """The Hugging Face config dict of a GGUF, from its header alone (no tensor is read)."""
+    path = Path(path)
+    meta, infos, _ = _read_header(path)
+    return _checked_hf_config(path, meta, infos)
+
+
 def read_gguf(
     path: str | os.PathLike, *, keep_blocks: bool = False
 ) -> tuple[dict, dict[str, np.ndarray | BlockCodes]]:
@@ -487,10 +501,7 @@ def read_gguf(
     # go out of scope at return.
     buf = _open_map(path)
     meta, infos, data_start = _read_header(path)
-    try:
-        config = _hf_config(meta, infos)
-    except (ValueError, TypeError, ZeroDivisionError) as e:  # e.g. a string for a count
-        raise ModelLoadError(f"{path}: inconsistent GGUF metadata ({e}); {_REDOWNLOAD}") from e
+    config = _checked_hf_config(path, meta, infos)
 
     for t in infos:
         end = data_start + t.offset + t.nbytes

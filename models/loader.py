@@ -229,9 +229,9 @@ def load_model_config(model: str | os.PathLike | None = None) -> ModelConfig:
     """The config of a HF directory, a .gguf file, or the default model, without its weights."""
     files = resolve_model_path(model)
     if files.is_gguf:
-        from models.gguf_loader import read_gguf
+        from models.gguf_loader import read_gguf_config
 
-        return model_config_from_hf(read_gguf(files.path)[0])
+        return model_config_from_hf(read_gguf_config(files.path))
     return model_config_from_hf(read_hf_config(files.path))
 
 

@@ -30,7 +30,7 @@ class HostBlockPool:
         # Blocks holding a prefix block the device evicted, least recently used first.
         self._cached: OrderedDict[BlockHash, int] = OrderedDict()
         # Cached blocks a copy in reads this step: not evictable until `unpin`.
-        self._pinned: list[tuple[BlockHash, int]] = []
+        self._pinned: dict[BlockHash, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,7 +71,7 @@ class HostBlockPool:
         if block_hash in self._cached:
             self._cached.move_to_end(block_hash)
             return None
-        if any(h == block_hash for h, _ in self._pinned):
+        if block_hash in self._pinned:
             return None
         ids = self.allocate(1)
         if ids is None:
@@ -84,14 +84,12 @@ class HostBlockPool:
 
     def lookup(self, block_hash: BlockHash) -> int:
         """The block holding `block_hash` (see `contains`), pinned until `unpin`."""
-        block_id = self._cached.pop(block_hash)
-        self._pinned.append((block_hash, block_id))
+        block_id = self._pinned[block_hash] = self._cached.pop(block_hash)
         return block_id
 
     def unpin(self) -> None:
         """The blocks read this step are evictable again, as the most recently used."""
-        for block_hash, block_id in self._pinned:
-            self._cached[block_hash] = block_id
+        self._cached.update(self._pinned)
         self._pinned.clear()
 
     def clear_cache(self) -> None:

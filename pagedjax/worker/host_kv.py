@@ -56,20 +56,25 @@ class HostKV:
         """Starts copying device blocks to host blocks: (device id, host id) pairs."""
         if not pairs:
             return
-        self.resolve()  # older copies land first: a host block may be reused since
+        self.resolve(wait=False)  # keeps the device buffers of finished copies from piling up
         device_ids, host_ids = zip(*pairs, strict=True)
         k, v = _read_blocks(cache, _padded(device_ids))
         k.copy_to_host_async()
         v.copy_to_host_async()
         self._pending.append((list(host_ids), k, v))
 
-    def resolve(self) -> None:
-        """Writes the copies out that are in flight into the host arrays (waits for them)."""
+    def resolve(self, wait: bool = True) -> None:
+        """Writes the copies out that are in flight into the host arrays, in their order (a
+        host block may be written twice); wait=False: only those that have landed."""
+        done = 0
         for host_ids, k, v in self._pending:
+            if not wait and not (k.is_ready() and v.is_ready()):
+                break
             n = len(host_ids)
             self.k[:, :, host_ids] = np.asarray(k)[:, :, :n]
             self.v[:, :, host_ids] = np.asarray(v)[:, :, :n]
-        self._pending.clear()
+            done += 1
+        del self._pending[:done]
 
     def copy_in(self, cache: KVCache, pairs: Sequence[tuple[int, int]]) -> KVCache:
         """The pool with host blocks copied into device blocks: (host id, device id) pairs;

@@ -124,6 +124,7 @@ class Worker:
             shard = self.tp.local_config
         self.params = self._place_params(self._own(params) if given else params)
         self.is_sleeping = False
+        self.has_weights = True  # False from sleep() until wake_up() or set_params()
         # sleep(level=1): the weights on the host, with their shardings.
         self._host_weights: tuple[Params, Params] | None = None
         kv_name = config.kv_cache_dtype
@@ -196,15 +197,16 @@ class Worker:
         caller's arrays, which a training step may donate or overwrite."""
         dtype = jnp.dtype(self.config.dtype)
 
+        weight_types = (LinearWeight, StackedLinearWeight)
+
         def own(a):
-            if isinstance(a, (LinearWeight, StackedLinearWeight)):
+            if isinstance(a, weight_types):
                 return a  # a weight type (block codes) keeps its own dtypes
             if isinstance(a, jax.Array) or self.tp is None:
                 return jnp.array(a, dtype=dtype, copy=True)
             return np.asarray(a, dtype)  # the split places host arrays slice by slice
 
-        weight_type = lambda a: isinstance(a, (LinearWeight, StackedLinearWeight))
-        return jax.tree.map(own, params, is_leaf=weight_type)
+        return jax.tree.map(own, params, is_leaf=lambda a: isinstance(a, weight_types))
 
     def set_params(self, params: Params) -> None:
         """Replaces the weights by `params` (pagedjax layout, float, shapes checked by the
@@ -214,13 +216,9 @@ class Worker:
         placed = self._place_params(self._own(params))
         self._delete(self.params)
         self.params = self.runner.params = placed
+        self.has_weights = True
         self._memory = None  # the weights' bytes may differ (block codes replaced)
         self._host_weights = None  # a sleeping engine's copy of the old ones is moot
-
-    @property
-    def has_weights(self) -> bool:
-        """False after sleep(level=2) until `set_params` gives new weights."""
-        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.params))
 
     @staticmethod
     def _delete(tree) -> None:
@@ -241,7 +239,7 @@ class Worker:
             self._host_weights = (jax.device_get(self.params), shardings)
         self._delete(self.params)
         self._delete(self.runner.kv_cache)
-        self.is_sleeping = True
+        self.is_sleeping, self.has_weights = True, False
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Gives back what `sleep` freed: "weights" (from their host copy; after level 2, new
@@ -254,6 +252,7 @@ class Worker:
             weights, shardings = self._host_weights
             self.params = self.runner.params = jax.device_put(weights, shardings)
             self._host_weights = None
+            self.has_weights = True
         if "kv_cache" in tags and self.runner.kv_cache_lost():
             self.runner.reset_kv_cache()
         self.is_sleeping = self._host_weights is not None or self.runner.kv_cache_lost()

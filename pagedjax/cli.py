@@ -22,6 +22,29 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, fp8, ...")
     _add_kv_scale_args(parser)
     _add_parallel_args(parser)
+    _add_speculative_args(parser)
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object, as vLLM's command line takes it."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def _add_speculative_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
 
 
 def _kv_cache_scales(text: str) -> float | str:
@@ -72,7 +95,13 @@ PARALLEL_OPTIONS = (
 def _make_llm(args: argparse.Namespace):
     from pagedjax.llm import LLM
 
-    names = ("kv_cache_dtype", "calculate_kv_scales", "kv_cache_scales", *PARALLEL_OPTIONS)
+    names = (
+        "kv_cache_dtype",
+        "calculate_kv_scales",
+        "kv_cache_scales",
+        "speculative_config",
+        *PARALLEL_OPTIONS,
+    )
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
         return LLM(args.model, max_model_len=args.max_model_len, **options)
@@ -223,6 +252,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_kv_scale_args(engine)
     _add_parallel_args(engine)
+    _add_speculative_args(engine)
     engine.add_argument(
         "--no-attention-fallback",
         dest="attention_fallback",

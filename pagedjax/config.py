@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedjax.attention import BACKENDS
 from pagedjax.core.sched_policy import POLICIES
+from pagedjax.core.spec_decode import SpeculativeConfig
 from pagedjax.core.swap_policy import PREEMPTION_MODES
 
 if TYPE_CHECKING:
@@ -66,6 +67,10 @@ class EngineConfig:
     # Schedule and prepare step N+1 while step N runs on the device (as vLLM v1's async
     # scheduling); its tokens from step N are read on the device. Greedy output is unchanged.
     async_scheduling: bool = True
+    # Speculative decoding, as vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4}) or a SpeculativeConfig (`pagedjax/core/spec_decode.py`);
+    # None: none. Greedy output is unchanged; sampled output keeps its distribution.
+    speculative_config: SpeculativeConfig | dict | None = None
     # Devices: tensor_parallel_size of them run each engine replica, the model split over
     # them (Megatron-style, `models/tensor_parallel.py`); data_parallel_size replicas, each
     # with its own scheduler and KV pool, share the requests (`pagedjax/data_parallel.py`).
@@ -106,6 +111,9 @@ class EngineConfig:
         check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be positive: {self.max_num_batched_tokens}",
+        )
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config)
         )
         check(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
         check(

@@ -21,6 +21,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.hashing import BlockHash, hash_request_tokens, request_extra_keys
 from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.spec_decode import SpecDecodeStats
 from pagedjax.engine_core import EngineCore
 
 # Block hashes of recently routed prompts remembered for affinity: a prompt sharing a prefix
@@ -202,5 +203,10 @@ class DataParallelCore:
         total["prefix_cache_hit_rate"] = sum(h.hits for h in hits) / queries if queries else 0.0
         host = sum(h.host_hits for h in hits)
         total["prefix_cache_host_hit_rate"] = host / queries if queries else 0.0
+        spec = SpecDecodeStats()
+        for core in self.cores:
+            for name, value in vars(core.scheduler.spec_stats).items():
+                setattr(spec, name, getattr(spec, name) + value)
+        total.update(spec.as_dict())  # the rates over the whole, not summed
         total["replicas"] = per_replica
         return total

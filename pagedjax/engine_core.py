@@ -56,6 +56,7 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=POLICIES[config.scheduling_policy](),
             prefer_swap=prefer_swap,
+            speculative=config.speculative_config,
         )
         self.num_steps = 0
         # Async scheduling: the step on the device while the next one is scheduled.
@@ -160,7 +161,8 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         outputs = []
         handle = None
-        if out.scheduled:
+        # A step may only swap (its one request preempted itself): the copies still run.
+        if out.scheduled or out.swaps_out or out.swaps_in:
             try:
                 handle = self.worker.execute_model(out, in_flight[1] if in_flight else None)
             except Exception:
@@ -226,6 +228,7 @@ class EngineCore:
             "num_generated_tokens": self.scheduler.num_generated_tokens,
             "num_prompt_tokens": self.scheduler.num_prompt_tokens,
             "generation_tokens_per_s": self._tokens_per_second(),
+            **self.scheduler.spec_stats.as_dict(),
             **self.worker.memory_stats(),
         }
 

@@ -182,17 +182,18 @@ class OutputProcessor:
         stop string's)."""
         seq, params = self._sequence(state, out.index), state.params
         stop_string = None
-        for token in out.new_token_ids:
+        # Several tokens: a step that verified drafts (their logprobs in consecutive rows).
+        for row, token in enumerate(out.new_token_ids, start=out.logprobs_row):
             if state.first_token_time is None and out.index == 0:
                 state.first_token_time = now
             if out.logprobs is not None and params.logprobs is not None:
-                seq.cumulative_logprob += float(out.logprobs.logprobs[out.logprobs_row])
+                seq.cumulative_logprob += float(out.logprobs.logprobs[row])
                 seq.logprobs.append(
-                    logprob_entry(
-                        token, out.logprobs, out.logprobs_row, params.logprobs, self.token_text
-                    )
+                    logprob_entry(token, out.logprobs, row, params.logprobs, self.token_text)
                 )
             stop_string = seq.detokenizer.update([token])
+            if stop_string is not None:
+                break  # the tokens after a stop string are not output
         status, stop_reason = out.status, out.stop_reason
         by_stop_string = stop_string is not None and status is not RequestStatus.FINISHED_STOPPED
         if by_stop_string:

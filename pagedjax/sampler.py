@@ -5,6 +5,11 @@ temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw 
 distribution. Each row draws from its own key (request seed folded with the number of tokens
 it has generated), so a seeded request samples the same tokens whatever else is in the batch.
 
+A row may verify a draft token (speculative decoding): a greedy row accepts it if it is the
+argmax; a sampled row accepts it with the target's probability of it and otherwise draws from
+the target distribution without it (rejection sampling against a draft that is certain of its
+token: the output keeps the target distribution). The row's token is the draft if accepted.
+
 The passes over the [S, V] logits run in `SamplingKernels` the platform chose: XLA's here
 (a draw is argmax(probs / Exp(1) noise)), or the CPU's C++ passes
 (`pagedjax/cpu_native/sampling.py`, one inverse-CDF draw from 53 bits of the key: the same
@@ -13,6 +18,7 @@ distribution, other tokens for a seed than XLA's).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +53,8 @@ class SamplingMetadata:
     # [S, ceil(V / 32)] i32: the tokens each row may sample (bit t of word t // 32), for
     # allowed_token_ids and structured outputs; None when no row has a mask (its own trace).
     token_mask: jax.Array | None = None
+    # [S] i32: the draft token each row verifies, -1 for none; None when no row has one.
+    draft_token_ids: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -65,8 +73,10 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: jax.Array  # [S] i32
     finite: jax.Array  # [S] bool: False when a row's logits hold NaN or inf (its token is junk)
-    # The rest only when logprobs are asked for (num_logprobs is not None):
+    # Only when logprobs are asked for (num_logprobs is not None):
     logprobs: TokenLogprobs | None = None
+    # Only when rows verify drafts: [S] bool, whether the row's draft was accepted.
+    accepted: jax.Array | None = None
 
 
 class SamplingKernels(Protocol):
@@ -234,6 +244,52 @@ def row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
+_ACCEPT_STREAM = 1  # folded into a row's key for its acceptance test: apart from its draw
+
+
+def _verify_drafts(
+    adjusted: jax.Array,
+    meta: SamplingMetadata,
+    kernels: SamplingKernels,
+    use_truncation: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """([S] tokens, [S] accepted) for rows verifying meta.draft_token_ids on logits with
+    penalties and bias applied. A sampled row accepts its draft d with probability p(d) under
+    its target distribution p (temperature and truncation applied), and otherwise draws from
+    p without d: the residual max(p - q, 0) of a draft distribution q certain of d."""
+    drafts = meta.draft_token_ids
+    greedy = meta.temperature <= 0
+    has_draft = drafts >= 0
+    scaled = adjusted / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+    if use_truncation:
+        scaled = truncate(scaled, meta)
+    safe = jnp.maximum(drafts, 0)[:, None]
+    p_draft = jnp.exp(
+        jnp.take_along_axis(scaled, safe, axis=-1)[:, 0]
+        - jax.scipy.special.logsumexp(scaled, axis=-1)
+    )
+    u = jax.vmap(
+        lambda seed, step: jax.random.uniform(
+            jax.random.fold_in(row_key(seed, step), _ACCEPT_STREAM)
+        )
+    )(meta.seeds, meta.steps)
+    argmax = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+    accepted = has_draft & jnp.where(greedy, argmax == drafts, u < p_draft)
+    rows = jnp.arange(adjusted.shape[0])
+    masked = jnp.where(has_draft & ~greedy, drafts, adjusted.shape[-1])  # out of range: none
+    residual = scaled.at[rows, masked].set(_NEG_INF, mode="drop")
+    # Scaled and truncated already: the draw applies a temperature of 1 and no truncation.
+    unit = dataclasses.replace(
+        meta,
+        temperature=jnp.where(greedy, 0.0, 1.0),
+        top_k=jnp.zeros_like(meta.top_k),
+        top_p=jnp.ones_like(meta.top_p),
+        min_p=jnp.zeros_like(meta.min_p),
+    )
+    tokens = kernels.draw(residual, unit, False, False)
+    return tokens, accepted
+
+
 def _draw(probs: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
     noise = jax.random.exponential(row_key(seed, step), probs.shape, jnp.float32)
     return jnp.argmax(probs / noise).astype(jnp.int32)
@@ -257,20 +313,30 @@ def sample(
     logprobs (num_logprobs None, as SamplingParams.logprobs; 0 returns the sampled tokens'
     logprobs only)."""
     raw = logits
+    drafts = meta.draft_token_ids
+    accepted = None
     if meta.token_mask is not None:
         logits = apply_token_mask(logits, meta.token_mask)
     if all_greedy and not use_penalties:
         tokens, finite = kernels.greedy(logits, meta.bias_token_ids, meta.bias_values)
         if meta.token_mask is not None:  # masked entries are -inf on purpose
             finite = jnp.all(jnp.isfinite(raw), axis=-1)
+        if drafts is not None:
+            accepted = tokens == drafts
     else:
         finite = jnp.all(jnp.isfinite(raw), axis=-1)
         adjusted = apply_penalties(logits, meta) if use_penalties else logits
         adjusted = _add_bias(adjusted, meta.bias_token_ids, meta.bias_values)
-        tokens = kernels.draw(adjusted, meta, use_truncation, all_greedy)
-    if num_logprobs is None:
-        return SamplerOutput(tokens, finite)
-    return SamplerOutput(tokens, finite, kernels.token_logprobs(raw, tokens, num_logprobs))
+        if drafts is None:
+            tokens = kernels.draw(adjusted, meta, use_truncation, all_greedy)
+        else:
+            tokens, accepted = _verify_drafts(adjusted, meta, kernels, use_truncation)
+    if accepted is not None:
+        tokens = jnp.where(accepted, drafts, tokens)
+    logprobs = None
+    if num_logprobs is not None:
+        logprobs = kernels.token_logprobs(raw, tokens, num_logprobs)
+    return SamplerOutput(tokens, finite, logprobs, accepted)
 
 
 def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -291,6 +357,7 @@ def build_sampling_metadata(
     history_width: int = 1,
     num_tokens: Sequence[int] | None = None,
     token_mask: np.ndarray | None = None,
+    draft_token_ids: Sequence[int] | None = None,
 ) -> SamplingMetadata:
     """Host-side arrays for a batch of rows; rows past len(params) (padding) are greedy.
 
@@ -303,7 +370,7 @@ def build_sampling_metadata(
     this way). `token_mask`: [num_rows, ceil(V / 32)] bitmasks of the tokens each row may
     sample, or None. `num_tokens[i]`: how many of `token_ids[i]` come before the
     sampled token (default: all; a list may already hold placeholders for this and later
-    samples).
+    samples). `draft_token_ids[i]`: the draft row i verifies (-1: none), or None for none.
     """
     num_rows = num_rows or len(params)
     real = len(params)
@@ -358,6 +425,7 @@ def build_sampling_metadata(
         bias_token_ids=padded([list(b) for b in biases]),
         bias_values=padded([list(b.values()) for b in biases], np.float32, 0),
         token_mask=token_mask,
+        draft_token_ids=None if draft_token_ids is None else column(draft_token_ids, np.int32, -1),
     )
 
 

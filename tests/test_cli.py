@@ -39,3 +39,16 @@ def test_generate_says_what_a_bad_option_needs(tiny_model_dir):
     argv = ["generate", "--model", str(path), "-tp", "2", "w5"]
     with pytest.raises(SystemExit, match="pagedjax generate: .*needs 2 devices"):
         cli.main(argv)
+
+
+def test_generate_takes_a_speculative_config_as_json(tiny_model_dir, capsys):
+    path, _ = tiny_model_dir("llama")
+    argv = ["generate", "--model", str(path), "--max-model-len", "64", "--no-chat-template"]
+    argv += ["--max-tokens", "6", "w5 w6 w7 w5 w6 w7 w5 w6"]
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    assert cli.main([*argv, "--speculative-config", spec]) == 0
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit, match="speculative_config: unknown keys \\['model'\\]"):
+        cli.main([*argv, "--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'])
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--speculative-config", "ngram"])  # not JSON: argparse's error

@@ -17,6 +17,7 @@ from tests.test_engine import make_engine
 
 NUM_WORKLOADS = int(__import__("os").environ.get("PAGEDJAX_FUZZ_WORKLOADS", 140))
 MAX_PROMPT, MAX_OUTPUT = 24, 8
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 HOST_BYTES_PER_TOKEN = 2 * 3 * 32 * 4  # the tiny llama's K and V: 3 layers x 32 wide, float32
 
 
@@ -58,6 +59,7 @@ def test_fuzz_workloads(tiny_loaded):
         return alone_cache[key]
 
     totals = {"requests": 0, "aborted": 0, "preemptions": 0, "swaps": 0, "hit_tokens": 0}
+    totals["accepted_drafts"] = 0
     for workload in range(NUM_WORKLOADS):
         block_size = rng.choice([8, 16])
         engine = make_engine(
@@ -74,6 +76,8 @@ def test_fuzz_workloads(tiny_loaded):
             # most to recompute) or recompute.
             preemption_mode=rng.choice(["auto", "swap", "recompute"]),
             swap_space=rng.choice([1.0, 3 * block_size * HOST_BYTES_PER_TOKEN / 2**30]),
+            # Speculative decoding: drafts from 1-token lookups (often wrong) on half.
+            speculative_config=rng.choice([None, SPEC]),
         )
         shared = [rng.randrange(3, 128) for _ in range(rng.randint(0, 16))]
         plans = []
@@ -143,6 +147,7 @@ def test_fuzz_workloads(tiny_loaded):
         totals["preemptions"] += engine.engine_core.scheduler.num_preemptions
         totals["swaps"] += engine.engine_core.scheduler.num_swaps
         totals["hit_tokens"] += engine.engine_core.kv_cache_manager.prefix_cache_stats.hits
+        totals["accepted_drafts"] += engine.engine_core.scheduler.spec_stats.num_accepted_tokens
     print(f"fuzz: {NUM_WORKLOADS} workloads, {totals}")
     assert totals["preemptions"] > totals["swaps"] > 0
-    assert totals["hit_tokens"] > 0 and totals["aborted"] > 0
+    assert totals["hit_tokens"] > 0 and totals["aborted"] > 0 and totals["accepted_drafts"] > 0

@@ -56,6 +56,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.running: dict[int, Request] = {}
         self.waiting: list[Request] = []  # preempted, to be re-admitted with their tokens
         self.batch: dict[int, int] = {}  # request id -> tokens scheduled this step
+        self.drafts: dict[int, list[int]] = {}  # speculative tokens in lookahead slots
         self.next_id = 0
 
     # ------------------------------------------------------------------ helpers
@@ -116,11 +117,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.batch[request.request_id] = num_new
 
     @precondition(lambda self: any(rid not in self.batch for rid in self.running))
-    @rule(data=st.data(), chunk=st.integers(1, 8))
-    def schedule(self, data, chunk) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 8), drafts=st.lists(TOKENS, max_size=3))
+    def schedule(self, data, chunk, drafts) -> None:
         request = self.running[data.draw(st.sampled_from(self._idle()))]
         num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
         before = self._snapshot()
+        if drafts and request.num_computed_tokens + num_new == request.num_tokens:
+            # Speculative decoding: draft tokens in lookahead slots after the last token.
+            lookahead = len(drafts)
+            if (
+                self.manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+                is not None
+            ):
+                self.batch[request.request_id] = num_new
+                self.drafts[request.request_id] = drafts
+                return
+            assert self._snapshot() == before
         new = self.manager.allocate_slots(request, num_new)
         if new is None:
             assert self._snapshot() == before
@@ -143,14 +155,23 @@ class KVCacheMachine(RuleBasedStateMachine):
             request = self.running[rid]
             table = self.manager.get_block_ids(request)
             start = request.num_computed_tokens
-            for pos in range(start, start + num_new):
+            written = request.all_token_ids[start : start + num_new] + self.drafts.get(rid, [])
+            for pos, token in enumerate(written, start=start):
                 slots = self.device.setdefault(table[pos // bs], [None] * bs)
-                slots[pos % bs] = request.all_token_ids[pos]
+                slots[pos % bs] = token
         for rid, num_new in self.batch.items():
             request = self.running[rid]
             request.num_computed_tokens += num_new
+            drafts = self.drafts.pop(rid, [])
+            if drafts:  # the verdict: a prefix accepted, the rest's slots given back
+                accepted = data.draw(st.integers(0, len(drafts)))
+                request.append_token_ids(drafts[:accepted])
+                request.num_computed_tokens += accepted
             if request.num_computed_tokens == request.num_tokens:
                 request.append_token_ids(data.draw(TOKENS))
+            if drafts:
+                self.manager.free_tail(request)
+                assert len(self.manager.get_block_ids(request)) <= -(-request.num_tokens // bs)
         self.batch.clear()
         # Every live request reads back its own tokens: hits, forks and copies were right.
         for request in self.running.values():

@@ -553,6 +553,7 @@ def test_models_health_version_metrics_tokenize_detokenize(server, client):
         "pagedjax:num_preemptions_total",
         "pagedjax:prompt_tokens_total",
         "pagedjax:generation_tokens_total",
+        "pagedjax:spec_decode_num_accepted_tokens_total",
         "pagedjax:time_to_first_token_seconds_count",
         "pagedjax:time_per_output_token_seconds_count",
         "pagedjax:e2e_request_latency_seconds_count",

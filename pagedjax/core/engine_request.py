@@ -75,6 +75,10 @@ class EngineRequest(Request):
         # so its last token can be changed first (beam search puts the beam's choice there).
         self.hold_samples = False
         self.held = False
+        # Speculative decoding: draft tokens in the step in flight (the sequence waits for
+        # their verdict), and the n-gram index its proposals come from.
+        self.num_drafts_in_flight = 0
+        self.ngram_index: Any = None
         self.group_id = request_id if parent is None else parent.group_id  # the user's id
         self.sample_index = sample_index
         self.status = RequestStatus.WAITING

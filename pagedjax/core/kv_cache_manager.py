@@ -203,8 +203,11 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
         num_host_hit_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens of `request` after its computed ones.
+        """Make room for `num_new_tokens` more tokens of `request` after its computed ones,
+        and `num_lookahead_tokens` slots after those (speculative decoding's drafts, which are
+        not the request's tokens yet: never cached; `free_tail` gives back what is rejected).
 
         `new_computed_blocks` / `num_new_computed_tokens` are the prefix hit from
         `get_computed_blocks` (admission only), with `num_host_hit_blocks` more from the host
@@ -225,11 +228,11 @@ class KVCacheManager:
                 "get_computed_blocks(request) on admission (or fork(parent, request)) first"
             ) from None
         if new_computed_blocks is None and not num_new_computed_tokens:
-            num_scheduled_end = request.num_computed_tokens + num_new_tokens
+            num_scheduled_end = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
             if (
                 num_scheduled_end <= state.fast_path_end
                 and num_new_tokens >= 0
-                and num_scheduled_end <= len(request.all_token_ids)
+                and num_scheduled_end <= len(request.all_token_ids) + num_lookahead_tokens
             ):
                 return []  # most decode steps: the token fits in a private, unfilled block
         hits = new_computed_blocks or ()
@@ -240,7 +243,8 @@ class KVCacheManager:
         cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
         # New blocks: those the scheduled tokens reach beyond the held and hit ones, plus the
         # private copy of a shared block.
-        num_needed = -(-num_scheduled_end // self.block_size) - len(state.blocks) - len(hits)
+        num_slots_end = num_scheduled_end + num_lookahead_tokens
+        num_needed = -(-num_slots_end // self.block_size) - len(state.blocks) - len(hits)
         num_needed = (num_needed if num_needed > 0 else 0) + (cow_index >= 0)
         if (num_needed or hits) and not self._fits_free_pool(num_needed, hits):
             return None  # nothing changed
@@ -422,6 +426,18 @@ class KVCacheManager:
             num_slots = len(state.blocks) * block_size
             end = (state.num_cached_blocks + 1) * block_size - 1
             state.fast_path_end = end if end < num_slots else num_slots
+
+    def free_tail(self, request: KVCacheRequest) -> None:
+        """Gives back the blocks past those that hold the request's tokens: lookahead slots
+        whose drafts were rejected (private and never cached)."""
+        state = self._get_state(request)
+        keep = -(-len(request.all_token_ids) // self.block_size)
+        if len(state.blocks) > keep:
+            tail = state.blocks[keep:]
+            del state.blocks[keep:]
+            del state.block_ids[keep:]
+            self.block_pool.free_blocks(tail)
+            state.fast_path_end = -1
 
     # -------------------------------------------------------------- fork and free
 

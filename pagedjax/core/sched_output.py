@@ -61,6 +61,10 @@ class SampleRow:
     num_tokens: int = -1
     # Its sequence's token constraints (`pagedjax/constraints.py`), None for none.
     constraints: Any = None
+    # Speculative decoding: the logits are those of the sequence's new token `offset` before
+    # its last, and the token verifies `draft_token` (-1: none, a plain sample).
+    offset: int = 0
+    draft_token: int = -1
 
 
 @dataclass
@@ -77,6 +81,10 @@ class SchedulerOutput:
     rows: list[SampleRow] = field(default_factory=list)
     row_requests: list[EngineRequest] = field(default_factory=list)  # who samples each row
     row_positions: list[int] = field(default_factory=list)  # where each row's token goes
+    # Speculative decoding: scheduled index -> its draft tokens; a drafted request's first
+    # sample row -> its number of drafts (its rows follow it).
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    spec_rows: dict[int, int] = field(default_factory=dict)
     # n > 1: children that sample their first token from their parent's row this step and
     # then share its blocks.
     forks: list[tuple[EngineRequest, EngineRequest]] = field(default_factory=list)
@@ -98,6 +106,7 @@ class ModelRunnerOutput:
     finite: Any  # [rows] bool: False when the row's logits held NaN or inf
     logprobs: Any = None  # TokenLogprobs of the sampled tokens, when asked for
     prompt_logprobs: Any = None  # TokenLogprobs of the prompt targets, in batch order
+    accepted: Any = None  # [rows] bool: whether a row's draft token was accepted (drafts only)
 
 
 @dataclass(slots=True)
@@ -107,7 +116,7 @@ class EngineCoreOutput:
     request_id: str  # the user's request (the group of its n sequences)
     index: int  # which of the n sequences
     new_token_ids: list[int] = field(default_factory=list)
-    logprobs: Any = None  # TokenLogprobs holding this token's logprobs at `logprobs_row`
+    logprobs: Any = None  # TokenLogprobs holding the tokens' logprobs from `logprobs_row` on
     logprobs_row: int = 0
     status: RequestStatus | None = None  # set when the sequence finished
     stop_reason: int | None = None  # a user stop token that finished it

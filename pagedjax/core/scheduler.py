@@ -14,6 +14,12 @@ n > 1: a parent reserves sequence slots for its n - 1 siblings until it samples 
 token; in that step each sibling samples from the parent's logits too, and then shares the
 parent's blocks (copy-on-write) instead of prefilling the prompt again.
 
+Speculative decoding (`speculative`): a decoding request whose last token is known gets
+draft tokens from the proposer, scheduled after that token with slots of their own (not
+cached: they are guesses); the step's verdict keeps the accepted ones and the target's own
+next token, and gives the slots of the rest back. Such a request waits for its last token
+rather than run a step ahead of it (async scheduling), since its drafts follow that token.
+
 Beam search: a request that holds its samples is not scheduled from each sample until the
 caller releases it (having perhaps replaced the sampled token, and forked the request with
 `fork_request`); a waiting request short of slots or blocks preempts held ones first.
@@ -27,6 +33,7 @@ from collections.abc import Callable
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -37,6 +44,7 @@ from pagedjax.core.sched_output import (
     placeholder_token,
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
+from pagedjax.core.spec_decode import SpecDecodeStats, SpeculativeConfig
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
@@ -64,10 +72,11 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         policy: SchedulingPolicy = DEFAULT_POLICY,
         prefer_swap: Callable[[int], bool] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """prefer_swap(num_computed_tokens): whether a victim with that much KV is swapped to
         the KV cache manager's host tier (if it has room) rather than recomputed; None:
-        always recompute."""
+        always recompute. speculative: propose draft tokens (None: no speculation)."""
         self.kv = kv_cache_manager
         self.prefer_swap = prefer_swap
         self.policy = policy
@@ -83,6 +92,16 @@ class Scheduler:
         self.num_swaps = 0  # preemptions by swap (the others recompute)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of the requests added
+        self.speculative = speculative
+        self.proposer = None
+        if speculative is not None:
+            self.proposer = NgramProposer(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+            )
+        self.spec_stats = SpecDecodeStats()
+        self._speculating = False  # this step proposes drafts (set per schedule)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
@@ -168,8 +187,34 @@ class Scheduler:
         self.waiting.insert(0, victim)  # front of the queue, whatever its sort key
         return victim
 
+    def _speculates(self, request: EngineRequest) -> bool:
+        """Whether a request may get drafts: one that samples with neither host-side history
+        (penalties, constraints) nor held samples (beams)."""
+        return (
+            self._speculating
+            and request.constraints is None
+            and not request.hold_samples
+            and not request.params.needs_output_on_host
+        )
+
+    def _propose(self, request: EngineRequest, budget: int) -> list[int]:
+        """Drafts for a decoding request, within its length limits and the step's budget."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []  # still prefilling
+        limit = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request, limit)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        spec = self.speculative
+        self._speculating = spec is not None and (
+            spec.disable_by_batch_size is None
+            or len(self.running) + len(self.waiting) <= spec.disable_by_batch_size
+        )
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # a step that preempted admits nothing: the pool is tight
             self._admit_waiting(out, budget)
@@ -187,6 +232,8 @@ class Scheduler:
             self._share_blocks(parent, child)
         for row, sampler in enumerate(out.row_requests):
             out.row_positions.append(len(sampler.all_token_ids))
+            if sampler.num_drafts_in_flight:
+                continue  # how many tokens it gets is known only from the step's verdict
             sampler.all_token_ids.append(placeholder_token(row))
             sampler.held = sampler.hold_samples
         return out
@@ -199,20 +246,32 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk(request, budget)
+            speculates = self._speculates(request)
             if (
                 num_new <= 0
                 or request.held
-                or (is_placeholder(request.all_token_ids[-1]) and self._must_wait(request))
+                or request.num_drafts_in_flight
+                or (
+                    is_placeholder(request.all_token_ids[-1])
+                    and (speculates or self._must_wait(request))
+                )
             ):
                 index += 1  # nothing to compute until its sampled token is known
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            drafts = self._propose(request, budget) if speculates else []
+            if drafts and (
+                self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(drafts)) is None
+            ):
+                drafts = []  # no room for guesses: no one is preempted for them
+            while not drafts and self.kv.allocate_slots(request, num_new) is None:
                 # running[:index] are scheduled this step: never preempted.
                 if self._preempt(out, self.running[index:]) is request:
                     break
             if request.status is RequestStatus.RUNNING:
+                if drafts:
+                    out.drafts[len(out.scheduled)] = drafts
                 out.scheduled.append((request, num_new))
-                budget -= num_new
+                budget -= num_new + len(drafts)
                 index += 1
         return budget
 
@@ -290,6 +349,10 @@ class Scheduler:
         (a parent about to sample its first token forks its siblings here)."""
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + num_new]
+        drafts = out.drafts.get(index)
+        if drafts:
+            self._add_draft_rows(out, index, request, tokens, drafts)
+            return
         seq = ScheduledSequence(tokens, start, self.kv.get_block_ids(request))
         out.seqs.append(seq)
         if request.skip_prefix_cache:
@@ -322,6 +385,39 @@ class Scheduler:
                 )
             )
             out.row_requests.append(sampler)
+
+    def _add_draft_rows(
+        self,
+        out: SchedulerOutput,
+        index: int,
+        request: EngineRequest,
+        tokens: list[int],
+        drafts: list[int],
+    ) -> None:
+        """A decoding request's last token and its drafts, with a sample row after each: row j
+        verifies draft j, the last row samples the token after them all."""
+        start = request.num_computed_tokens
+        out.seqs.append(ScheduledSequence(tokens + drafts, start, self.kv.get_block_ids(request)))
+        request.num_drafts_in_flight = k = len(drafts)
+        out.spec_rows[len(out.rows)] = k
+        banned = dict.fromkeys(request.min_tokens_banned, float("-inf"))
+        num_tokens = len(request.all_token_ids)
+        for j in range(k + 1):
+            early = request.num_output_tokens + j < request.params.min_tokens
+            out.rows.append(
+                SampleRow(
+                    index,
+                    request.params,
+                    request.all_token_ids,
+                    request.num_prompt_tokens,
+                    request.seed,
+                    banned if early else {},
+                    num_tokens=num_tokens + j,
+                    offset=k - j,
+                    draft_token=drafts[j] if j < k else -1,
+                )
+            )
+            out.row_requests.append(request)
 
     @staticmethod
     def _ask_prompt_logprobs(
@@ -360,11 +456,65 @@ class Scheduler:
                 )
             )
             first += count
-        positions = out.row_positions
-        for row, request in enumerate(out.row_requests):
+        positions, spec_rows = out.row_positions, out.spec_rows
+        row, rows = 0, out.row_requests
+        while row < len(rows):
+            request = rows[row]
+            k = spec_rows.get(row) if spec_rows else None
+            if k is not None:
+                request.num_drafts_in_flight = 0
+                if not request.status.finished:
+                    outputs.append(self._append_verified(request, row, k, result))
+                row += k + 1
+                continue
             if not request.status.finished:
                 outputs.append(self._append_token(request, row, positions[row], result))
+            row += 1
         return outputs
+
+    def _append_verified(
+        self, request: EngineRequest, first_row: int, k: int, result: ModelRunnerOutput
+    ) -> EngineCoreOutput:
+        """Appends the accepted drafts of rows first_row.. and the token after them (the
+        target's own, at the first rejection or after the last draft), up to a stop; keeps
+        the accepted drafts' KV and gives back the slots past the request's tokens."""
+        tokens = []
+        status = None
+        accepted = result.accepted
+        for row in range(first_row, first_row + k + 1):
+            if not result.finite[row]:
+                logger.error(
+                    "request %s: NaN/inf logits; it finishes with an error", request.request_id
+                )
+                status = RequestStatus.FINISHED_ERROR
+                break
+            token = int(result.token_ids[row])
+            request.all_token_ids.append(token)
+            tokens.append(token)
+            status = self._check_stop(request, token, len(request.all_token_ids))
+            if status is not None or row == first_row + k or not accepted[row]:
+                break
+        num_accepted = int(accepted[first_row : first_row + len(tokens)].sum())
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += k
+        stats.num_accepted_tokens += num_accepted
+        self.num_generated_tokens += len(tokens)
+        if status is not None:
+            self.finish(request, status)
+        elif request.status is RequestStatus.RUNNING:  # not preempted since it was scheduled
+            request.num_computed_tokens += len(tokens) - 1  # the accepted drafts' KV
+            self.kv.free_tail(request)
+        return EngineCoreOutput(
+            request.group_id,
+            request.sample_index,
+            tokens,
+            result.logprobs,
+            first_row,
+            status,
+            request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def _append_token(
         self, request: EngineRequest, row: int, position: int, result: ModelRunnerOutput

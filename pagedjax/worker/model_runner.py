@@ -56,9 +56,11 @@ from pagedjax.worker.host_kv import HostKV
 logger = logging.getLogger(__name__)
 
 
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, extra: Sequence[int] = ()) -> list[int]:
     """1, 4, 16, 32, 64, 128, then steps of a quarter of the last power of two (at least 64):
-    192, 256, ... 512, 640, 768, ... 1024, 1280, ..., ending at the budget itself.
+    192, 256, ... 512, 640, 768, ... 1024, 1280, ..., ending at the budget itself; and the
+    `extra` sizes below the budget (one sequence's step with its drafts: speculative decoding
+    at batch 1 then pays for no padding).
 
     Padded rows cost as much as real ones in every matmul. A mixed step is its decode rows
     plus whatever prefill fits, so its size is spread over the whole range, and finer steps
@@ -70,7 +72,8 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
         if bucket >= max_num_batched_tokens:
             break
         buckets.append(bucket)
-    return [*buckets, max_num_batched_tokens]
+    extra = [e for e in extra if e < max_num_batched_tokens]
+    return sorted({*buckets, *extra, max_num_batched_tokens})
 
 
 def activation_bytes(
@@ -176,6 +179,7 @@ class StepHandle:
     prompt_logprobs: TokenLogprobs | None
     num_rows: int
     num_targets: int
+    accepted: jax.Array | None = None  # [R] drafts' verdicts (None: no drafts)
 
     def result(self) -> ModelRunnerOutput:
         n = self.num_rows
@@ -187,6 +191,7 @@ class StepHandle:
             np.asarray(self.finite)[:n],
             _fetch(self.logprobs, n),
             _fetch(self.prompt_logprobs, self.num_targets),
+            None if self.accepted is None else np.asarray(self.accepted)[:n],
         )
 
 
@@ -231,7 +236,9 @@ class ModelRunner:
             sharding = sharding.k if isinstance(sharding, KVCache) else sharding
             self.host_kv = HostKV(kv_spec, num_host_blocks, block_size, sharding)
         self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
-        self.token_buckets = token_buckets(config.max_num_batched_tokens)
+        spec = config.speculative_config
+        drafted_step = (1 + spec.num_speculative_tokens,) if spec is not None else ()
+        self.token_buckets = token_buckets(config.max_num_batched_tokens, drafted_step)
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
         # Only then is decode-only a static flag of the step, and a key of its compilations.
@@ -433,8 +440,10 @@ class ModelRunner:
             # Out first: a block swapped in may be one a victim of this step just left.
             self.host_kv.copy_out(self.kv_cache, swaps_out)
             self.kv_cache = self.host_kv.copy_in(self.kv_cache, swaps_in)
+        if not seqs:
+            return StepHandle(None, None, None, None, 0, 0)
         ends = np.cumsum([len(s.token_ids) for s in seqs])
-        sample_rows = [ends[r.seq_index] - 1 for r in rows]
+        sample_rows = [ends[r.seq_index] - 1 - r.offset for r in rows]
         prompt_rows, targets = [], []
         for index, seq in enumerate(seqs):
             if seq.prompt_logprob_targets:
@@ -481,6 +490,8 @@ class ModelRunner:
         # Built while the forward runs on the device.
         token_mask = self.masks.fill(constraints, r_pad)
         params = [r.params for r in rows]
+        drafts = [r.draft_token for r in rows]
+        drafts = drafts if any(d >= 0 for d in drafts) else None
         meta = build_sampling_metadata(
             params,
             [r.token_ids for r in rows],
@@ -491,6 +502,7 @@ class ModelRunner:
             history_width=self.max_blocks_per_seq * self.block_size,
             num_tokens=[r.num_tokens for r in rows],
             token_mask=token_mask,
+            draft_token_ids=drafts,
         )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
@@ -510,6 +522,7 @@ class ModelRunner:
             prompt,
             len(rows),
             len(targets),
+            out.accepted,
         )
 
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:

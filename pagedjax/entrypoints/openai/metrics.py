@@ -55,6 +55,18 @@ _COUNTERS = {
     "num_preemptions": ("pagedjax:num_preemptions", "Preemptions since start-up."),
     "num_prompt_tokens": ("pagedjax:prompt_tokens", "Prompt tokens processed."),
     "num_generated_tokens": ("pagedjax:generation_tokens", "Tokens generated."),
+    "spec_decode_num_drafts": (
+        "pagedjax:spec_decode_num_drafts",
+        "Sequence steps that verified draft tokens (speculative decoding).",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "pagedjax:spec_decode_num_draft_tokens",
+        "Draft tokens proposed.",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "pagedjax:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+    ),
 }
 
 

@@ -1,0 +1,115 @@
+"""Speculative decoding (n-gram prompt lookup) at batch 1: one user's tokens/s with and without
+it, on a workload that copies from its prompt and on W1 chat, in one run on one engine's
+weights. Greedy: the tokens must be identical, and the script checks it.
+
+    python benchmarks/spec_decode.py [--requests 4] [--tokens 128] [--k 4] [--repeats 2]
+
+Reports, per workload, the median ms per output token of each request with and without
+speculation, their ratio, the acceptance rate and the tokens a drafted step emits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import TOPICS, chat_ids, make_prompts  # noqa: E402
+
+PASSAGE = (
+    "The printing press, developed by Johannes Gutenberg around 1440, changed how knowledge "
+    "spread across Europe. Before it, books were copied by hand, which made them rare and "
+    "expensive. With movable metal type, a workshop could print hundreds of pages a day. "
+    "Within fifty years, millions of books had been printed, literacy rose, and new ideas "
+    "in science and religion travelled faster than ever before."
+)
+
+
+def copy_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Requests that rewrite a passage given in the prompt (most output copies it)."""
+    asks = [
+        "Repeat the following text exactly, word for word:",
+        "Fix any spelling mistakes in this text and return the whole text:",
+        "Rewrite this text, keeping every sentence, and make the first word of each sentence "
+        "uppercase:",
+        f"Copy this paragraph, then add one sentence about {TOPICS[1]} at the end:",
+    ]
+    return [chat_ids(tokenizer, f"{asks[i % len(asks)]}\n\n{PASSAGE}") for i in range(count)]
+
+
+def time_requests(llm, prompts, params) -> tuple[list[list[int]], list[float]]:
+    """Each prompt alone (batch 1): its output tokens and its ms per output token."""
+    tokens, ms = [], []
+    for prompt in prompts:
+        start = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        ids = out.outputs[0].token_ids
+        tokens.append(ids)
+        ms.append(1e3 * elapsed / len(ids))
+    return tokens, ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes (median)")
+    args = parser.parse_args()
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.lookup_max,
+        "prompt_lookup_min": args.lookup_min,
+    }
+    engines = {
+        "off": LLM(max_model_len=1024),
+        "ngram": LLM(max_model_len=1024, speculative_config=spec),
+    }
+    tokenizer = engines["off"].get_tokenizer()
+    workloads = {
+        "copy": (copy_prompts(tokenizer, args.requests), False),
+        "w1": (make_prompts(tokenizer, args.requests), True),
+    }
+    result: dict = {"k": args.k, "lookup": f"{args.lookup_min}-{args.lookup_max}"}
+    for name, (prompts, ignore_eos) in workloads.items():
+        greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=ignore_eos)
+        for llm in engines.values():
+            time_requests(llm, prompts[:1], greedy)  # compiles the sampler's variants
+        ms = {key: [] for key in engines}
+        outputs = {}
+        before = engines["ngram"].llm_engine.stats()
+        for _ in range(args.repeats):
+            for key, llm in engines.items():  # interleaved: the same machine state for both
+                outputs[key], times = time_requests(llm, prompts, greedy)
+                ms[key] += times
+        after = engines["ngram"].llm_engine.stats()
+        drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+        proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        accepted = (
+            after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        )
+        off, on = statistics.median(ms["off"]), statistics.median(ms["ngram"])
+        result[f"{name}_identical_tokens"] = outputs["off"] == outputs["ngram"]
+        result[f"{name}_ms_per_token_off"] = off
+        result[f"{name}_ms_per_token_ngram"] = on
+        result[f"{name}_speedup"] = off / on
+        result[f"{name}_acceptance_rate"] = accepted / max(proposed, 1)
+        result[f"{name}_tokens_per_drafted_step"] = 1 + accepted / max(drafts, 1)
+        result[f"{name}_output_tokens"] = sum(len(t) for t in outputs["off"])
+    report("spec_decode", result)
+
+
+if __name__ == "__main__":
+    main()

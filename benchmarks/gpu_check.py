@@ -10,7 +10,7 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
                  is a race): PASS / FAIL / TIMEOUT / CRASH(signal), max error   -> smoke.json
 3. kernel_tests  tests/test_pallas_kernels.py compiled, per-test and overall timeouts
                                                               -> kernel_tests.log, kernel_tests.xml
-4. bench         benchmarks/kernels.py --quick --large-pool: our kernels vs JAX's bundled Pallas
+4. bench         benchmarks/paged_kernels.py --quick --large-pool: our kernels vs JAX's bundled Pallas
                  paged attention, KV GB/s against a measured copy bandwidth -> bench.log, bench.json
 5. engine        a tiny random Llama (transformers, saved locally) through the engine with the
                  Pallas backend, greedy tokens against transformers' own    -> engine.json
@@ -302,7 +302,7 @@ def last_line(path: Path) -> str:
 
 
 def bench_error(case: dict, label: str, timing: dict) -> str:
-    """Why a timing of kernels.py's report is wrong ("" if it is not): an error, a non-finite
+    """Why a timing of paged_kernels.py's report is wrong ("" if it is not): an error, a non-finite
     output, or more than BENCH_MAX_ERROR from the XLA reference."""
     if "error" in timing:
         return "ERROR"
@@ -455,7 +455,7 @@ class Check:
 
     def stage_bench(self, limit: float) -> dict:
         bench_dir = self.scratch / "bench"
-        cmd = [sys.executable, "benchmarks/kernels.py", "--out", str(bench_dir), "--quick"]
+        cmd = [sys.executable, "benchmarks/paged_kernels.py", "--out", str(bench_dir), "--quick"]
         # --large-pool (GPU only: slow interpreted): pools past 4 GiB, 64-bit offsets
         cmd += (
             ["--tiny", "--iters", "2"] if self.mode == "cpu" else ["--iters", "20", "--large-pool"]

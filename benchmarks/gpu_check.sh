@@ -8,7 +8,7 @@
 #   env           versions, nvidia-smi, jax.devices()
 #   smoke         8 kernel cases compiled, one process each, against the oracle
 #   kernel_tests  tests/test_pallas_kernels.py compiled
-#   bench         benchmarks/kernels.py --quick --large-pool: vs JAX's bundled paged attention
+#   bench         benchmarks/paged_kernels.py --quick --large-pool: vs JAX's bundled paged attention
 #                 and a device copy
 #   engine        a tiny random Llama, Pallas backend, greedy tokens against transformers
 # The PASS/FAIL and GB/s table comes last. Under $OUT: env.txt, smoke.json, kernel_tests.log,

@@ -1,12 +1,12 @@
 """What the GPU gets from the Pallas kernels, measured without one: each kernel lowered for CUDA
 and compiled to a cubin by the `triton` package for sm_90 (H100/H200) and sm_80 (A100), at the
-shapes the engine and `benchmarks/kernels.py` run (see benchmarks/triton_compile.py).
+shapes the engine and `benchmarks/paged_kernels.py` run (see benchmarks/triton_compile.py).
 
     python benchmarks/triton_resources.py [--out benchmarks/results]
 
 Per kernel: registers per thread, spilled bytes per thread, shared memory per program,
 programs resident per SM, tensor-core instructions (wgmma / mma.sync) and asynchronous KV
-loads (cp.async); then the same for the tuning candidates `kernels.py` times. Needs
+loads (cp.async); then the same for the tuning candidates `paged_kernels.py` times. Needs
 `pip install triton` (in the test extras); no GPU.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
-from kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
+from paged_kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
 from triton_compile import compile_kernel  # noqa: E402
 
 from kernels_pallas.decode_attention import DecodeConfig  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> None:
             for capability in capabilities:
                 rows.append(compile_row(label, head_dim, group, kv_dtype, kernel, capability))
                 print_row(rows[-1], kernel)
-    # The tuning candidates benchmarks/kernels.py times on a GPU, at its bf16 shape.
+    # The tuning candidates benchmarks/paged_kernels.py times on a GPU, at its bf16 shape.
     for kernel, variants in TUNING_VARIANTS.items():
         for name, config in variants.items():
             for capability in capabilities:

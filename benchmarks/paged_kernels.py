@@ -1,7 +1,7 @@
 """GPU benchmark of the Pallas attention kernels against JAX's bundled Pallas paged attention and
 the XLA (pure jnp) reference, in one run, on one device.
 
-    python benchmarks/kernels.py --out DIR [--iters 20] [--quick] [--large-pool[-only]]
+    python benchmarks/paged_kernels.py --out DIR [--iters 20] [--quick] [--large-pool[-only]]
 
 Decode batches (batch x context) 1x32k, 16x4k, 64x2k, 256x1k with 32 query heads, 8 KV heads,
 head_dim 128, bf16 (and fp8 for our kernel), page size 16; plus a mixed step of prefill chunks

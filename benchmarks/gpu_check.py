@@ -10,8 +10,9 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
                  is a race): PASS / FAIL / TIMEOUT / CRASH(signal), max error   -> smoke.json
 3. kernel_tests  tests/test_pallas_kernels.py compiled, per-test and overall timeouts
                                                               -> kernel_tests.log, kernel_tests.xml
-4. bench         benchmarks/paged_kernels.py --quick --large-pool: our kernels vs JAX's bundled Pallas
-                 paged attention, KV GB/s against a measured copy bandwidth -> bench.log, bench.json
+4. bench         benchmarks/paged_kernels.py --quick --large-pool: our kernels vs JAX's bundled
+                 Pallas paged attention, KV GB/s against a measured copy bandwidth
+                                                                     -> bench.log, bench.json
 5. engine        a tiny random Llama (transformers, saved locally) through the engine with the
                  Pallas backend, greedy tokens against transformers' own    -> engine.json
 The PASS/FAIL and GB/s table is printed last and written to summary.txt (8 files in all).

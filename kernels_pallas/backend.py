@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
-from kernels_pallas.kv_cache import KV_LAYOUT, KVCache
+from kernels_pallas.kv_cache import KV_LAYOUT, KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 
 
@@ -80,6 +80,9 @@ class FunctionBackend:
     check: Callable[[AttentionSpec], str | None] = _runs_anything  # supports(spec)
     kv_layout: str = KV_LAYOUT
     has_decode_kernel: bool = False  # True: fn takes a `decode_only` keyword
+    # How the model writes a step's new K/V into the pool before calling the backend (an
+    # optional attribute of any backend; `kv_cache.write_kv`'s arguments and result).
+    write_kv: Callable[..., KVCache] = write_kv
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)

@@ -218,9 +218,13 @@ def forward(
     slice of the MLP and the vocabulary), and the two row-parallel products of each layer are
     summed over the group."""
 
-    # K/V go into the pool before attention, so each new token also sees the step's own keys.
+    # K/V go into the pool before attention, so each new token also sees the step's own keys;
+    # a backend may write them its own way (the CPU's C++ kernels write 16- and 8-bit pools).
+    backend = getattr(attention_fn, "func", attention_fn)  # through a partial (a step's flags)
+    write = getattr(backend, "write_kv", write_kv)
+
     def attend(q, k, v, layer, sliding_window, cache):
-        cache = write_kv(cache, layer, k, v, metadata.slot_mapping)
+        cache = write(cache, layer, k, v, metadata.slot_mapping)
         out = attention_fn(
             q,
             cache,

@@ -75,6 +75,24 @@ def test_block_quantized_weight_computes_its_float32_products(rows, inner, colum
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("inner,columns", [(64, 100), (576, 1000)])
+def test_decode_rows_widened_in_registers_are_the_scratch_panels_sums(inner, columns, bits):
+    """Up to 3 rows the kernel widens each k's codes in registers and multiplies at once
+    (FusedTile), from 4 rows it widens a panel into float32 scratch first: the same sums bit
+    for bit. Each row count's rows are those of 17 rows, and the float32 panels' product."""
+    rng = np.random.default_rng(inner + bits)
+    codes, scales, offsets, weight = random_blocks(rng, inner, columns, bits)
+    quantized, float32 = pack_blocks(codes, scales, offsets, bits), pack(weight)
+    multiply = jax.jit(type(quantized).matmul)
+    x = jnp.asarray(rng.normal(size=(17, inner)).astype(np.float32))
+    all_rows = np.asarray(multiply(quantized, x))
+    for rows in (1, 2, 3, 4, 5, 17):
+        got = np.asarray(multiply(quantized, x[:rows]))
+        assert np.array_equal(got, all_rows[:rows]), rows
+        assert np.array_equal(got, np.asarray(float32.matmul(x[:rows]))), rows
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_linear_widens_exactly_in_xla(bits):
     """The platform-free QuantizedLinear (the file's [N, K] codes): its weight is the float32
     weight bit for bit, so are its columns, and its products are the float32 products."""

@@ -441,20 +441,34 @@ def test_every_backend_gives_the_reference_tokens(tiny, backend):
     assert tokens_of(run(engine, prompts, params)) == expected
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16"])  # fp8: tests/test_cpu_native_*.py
+def test_narrow_pools_run_on_the_cpu_kernels(tiny, kv_cache_dtype):
+    """The CPU's "auto" runs a bf16 pool on the C++ kernels, which write it in place and widen
+    it as they read it: the reference attention's tokens on the same pool."""
+    prompts = make_prompts(3, seed=16, lo=5, hi=20)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine = make_engine(tiny, kv_cache_dtype=kv_cache_dtype)
+    assert engine.engine_core.worker.attention.name == "cpu_native"
+    reference = make_engine(tiny, attention_backend="reference", kv_cache_dtype=kv_cache_dtype)
+    assert tokens_of(run(engine, prompts, params)) == tokens_of(run(reference, prompts, params))
+
+
 def test_a_backend_that_cannot_run_the_model_says_why(tiny, monkeypatch):
-    with pytest.raises(ValueError, match="cpu_native: it reads float32 pools only"):
-        make_engine(tiny, attention_backend="cpu_native", kv_cache_dtype="bfloat16")
     import dataclasses
 
     from kernels_pallas import xla_attention
+    from pagedjax.cpu_native import attention as cpu_native
 
+    monkeypatch.setattr(cpu_native, "MAX_GROUP", 1)  # the tiny llama has 2 query heads per KV head
+    with pytest.raises(ValueError, match="cpu_native: it handles at most 1 query heads"):
+        make_engine(tiny, attention_backend="cpu_native", kv_cache_dtype="bfloat16")
+    auto = make_engine(tiny, kv_cache_dtype="bfloat16")  # "auto" takes the next that can
+    assert auto.engine_core.worker.attention.name == "xla"
+    monkeypatch.undo()
     other_layout = dataclasses.replace(xla_attention.XLA, kv_layout="block-token-head")
     monkeypatch.setattr(xla_attention, "XLA", other_layout)
     with pytest.raises(ValueError, match="xla: it reads a block-token-head pool"):
         make_engine(tiny, attention_backend="xla")
-    monkeypatch.undo()
-    auto = make_engine(tiny, kv_cache_dtype="bfloat16")  # "auto" takes the next that can
-    assert auto.engine_core.worker.attention.name == "xla"
 
 
 def test_fp8_kv_cache_runs_with_a_quarter_of_float32_bytes(tiny):

@@ -28,6 +28,7 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # FFI target name -> the handler symbol the sources export.
 TARGETS = {
     "pagedjax_paged_attention": "PagedAttention",
+    "pagedjax_kv_write": "KvWrite",
     "pagedjax_packed_matmul": "PackedMatmul",
     "pagedjax_quantized_matmul": "QuantizedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
@@ -83,11 +84,12 @@ def available() -> bool:
     return True
 
 
-def ffi_call(target: str, result_shape_dtypes) -> Callable[..., Any]:
-    """`jax.ffi.ffi_call` of one of these kernels, built and registered first."""
+def ffi_call(target: str, result_shape_dtypes, **options) -> Callable[..., Any]:
+    """`jax.ffi.ffi_call` of one of these kernels, built and registered first (`options`:
+    ffi_call's keywords, such as input_output_aliases)."""
     if not available():
         raise RuntimeError(
             f"the C++ CPU kernel {target} is not available here (see the warning above); "
             "run on the CPU platform's XLA path instead"
         )
-    return jax.ffi.ffi_call(target, result_shape_dtypes)
+    return jax.ffi.ffi_call(target, result_shape_dtypes, **options)

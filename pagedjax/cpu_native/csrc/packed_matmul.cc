@@ -18,7 +18,8 @@
 // as the loader's dequantization does, bit for bit. Each panel is widened into a float32
 // scratch panel and run through the same tile: the same sums as PackedMatmul on the
 // dequantized weights, from 0.5 (4-bit) or 1 byte a weight, plus 8 bytes of scale and offset
-// per 32, instead of 4.
+// per 32, instead of 4. At decode's 1-3 rows (AVX2) the weights are widened in registers and
+// multiplied at once instead (FusedTile), with the same sums bit for bit.
 //
 // Inputs: x [M, K]; codes [P, K / 2, 24] (4-bit, in GGUF's order: byte 16 b + j holds k = 32 b + j
 // in its low nibble and 32 b + j + 16 in its high one) or [P, K, 24] (8-bit, two's complement);
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -82,25 +84,32 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>};
 
-// out [M, N] = x [M, K] @ the panels, where panel(p) gives panel p as float32 [K, 24] (called
-// once per panel, on the thread that multiplies it). Threads take ranges of panels: about four
-// items per thread, and at most 32 panels each, since the item a thread finishes last is the
-// other's idle time: uncapped, the LM head's large items left one thread idle for much of a
-// decode step's call.
-template <typename PanelFn>
-void MultiplyPanels(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
-                    float* out, const PanelFn& panel) {
+// Calls multiply(p) for every panel p of an [., N] output. Threads take ranges of panels:
+// about four items per thread, and at most 32 panels each, since the item a thread finishes
+// last is the other's idle time: uncapped, the LM head's large items left one thread idle for
+// much of a decode step's call.
+template <typename MultiplyFn>
+void ForEachPanel(ffi::ThreadPool& pool, int64_t N, const MultiplyFn& multiply) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
   pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
-    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p) {
-      const float* weights = panel(p);
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        kTile[rows](x + m * K, K, weights, K, out + m * N + p * kPanel, N, cols);
-      }
+    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p)
+      multiply(p);
+  });
+}
+
+// out [M, N] = x [M, K] @ the panels, where panel(p) gives panel p as float32 [K, 24] (called
+// once per panel, on the thread that multiplies it).
+template <typename PanelFn>
+void MultiplyPanels(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                    float* out, const PanelFn& panel) {
+  ForEachPanel(pool, N, [&](int64_t p) {
+    const float* weights = panel(p);
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    for (int64_t m = 0; m < M; m += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, M - m);
+      kTile[rows](x + m * K, K, weights, K, out + m * N + p * kPanel, N, cols);
     }
   });
 }
@@ -169,6 +178,93 @@ void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets,
   }
 }
 
+#ifdef PAGEDJAX_AVX2
+// 8 code bytes, widened to int32 (zero-extended for uint8_t, sign-extended for int8_t).
+template <typename Byte>
+__m256i Bytes(const uint8_t* q) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+// Tile<R> over the panel that WidenPanel would write, without writing it: each k's 24 weights
+// are widened in registers by the same FMA and used at once. At a few rows the widening is
+// done once either way, and the scratch panel's store and reload cost more than the widening
+// (about 1.7x at one row, benchmarks/README.md). The same sums bit for bit: one accumulator per
+// row and column, k in order, an FMA per term, starting from zero. (At one row the three
+// accumulators' FMA latency bounds it; two panels at once, for six, spilled the scales and
+// offsets: slower on 4-bit codes, 7% faster on 8-bit.)
+template <int R, int kBits>
+void FusedTile(const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
+               const float* offsets, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  __m256 acc[R][3];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int c = 0; c < 3; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m256 s[3], o[3];
+#pragma GCC unroll 3
+    for (int c = 0; c < 3; ++c) {
+      s[c] = _mm256_loadu_ps(scales + b * kPanel + 8 * c);
+      o[c] = _mm256_loadu_ps(offsets + b * kPanel + 8 * c);
+    }
+    const float* xb = x + b * kBlock;
+    // acc[r][c] += x[r][k] * w[k][c], w[k][c] widened from code[c] (int32).
+    const auto term = [&](const __m256i (&code)[3], int64_t k) {
+      __m256 w[3];
+#pragma GCC unroll 3
+      for (int c = 0; c < 3; ++c)
+        w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code[c]), s[c], o[c]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(xb + r * ldx + k);
+#pragma GCC unroll 3
+        for (int c = 0; c < 3; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
+      }
+    };
+    if constexpr (kBits == 4) {
+      // Byte 16 b + j holds k = 32 b + j in its low nibble and 32 b + 16 + j in its high one:
+      // the low nibbles first, then the high ones, each byte loaded twice.
+      const uint8_t* q = codes + b * (kBlock / 2) * kPanel;
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const uint8_t* row = q + j * kPanel;
+        term({_mm256_and_si256(Bytes<uint8_t>(row), low),
+              _mm256_and_si256(Bytes<uint8_t>(row + 8), low),
+              _mm256_and_si256(Bytes<uint8_t>(row + 16), low)}, j);
+      }
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const uint8_t* row = q + j * kPanel;
+        term({_mm256_srli_epi32(Bytes<uint8_t>(row), 4),
+              _mm256_srli_epi32(Bytes<uint8_t>(row + 8), 4),
+              _mm256_srli_epi32(Bytes<uint8_t>(row + 16), 4)}, kBlock / 2 + j);
+      }
+    } else {
+      const uint8_t* q = codes + b * kBlock * kPanel;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const uint8_t* row = q + k * kPanel;
+        term({Bytes<int8_t>(row), Bytes<int8_t>(row + 8), Bytes<int8_t>(row + 16)}, k);
+      }
+    }
+  }
+  alignas(32) float tile[R][kPanel];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int c = 0; c < 3; ++c) _mm256_store_ps(tile[r] + 8 * c, acc[r][c]);
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, tile[r], cols * sizeof(float));
+}
+
+using FusedTileFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*,
+                             int64_t, float*, int64_t, int64_t);
+// Up to 3 rows: at 4, the 12 accumulators, 6 scale and offset vectors and the temporaries
+// spill out of the 16 vector registers, and the fused tile is no faster than the scratch panel.
+constexpr int kFusedRows = 3;
+constexpr FusedTileFn kFusedTile[2][kFusedRows + 1] = {
+    {nullptr, FusedTile<1, 4>, FusedTile<2, 4>, FusedTile<3, 4>},
+    {nullptr, FusedTile<1, 8>, FusedTile<2, 8>, FusedTile<3, 8>}};
+#endif
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                                ffi::Buffer<ffi::F32> offsets, int64_t columns, int64_t bits,
@@ -184,6 +280,17 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (columns <= 0 || columns > panels * kPanel || out->dimensions()[1] != columns)
     return ffi::Error::InvalidArgument("quantized_matmul: columns out of the packed range");
   const int64_t code_stride = c_dims[1] * kPanel, scale_stride = s_dims[1] * kPanel;
+#ifdef PAGEDJAX_AVX2
+  if (M > 0 && M <= kFusedRows) {  // decode's few rows: widened in registers
+    const FusedTileFn tile = kFusedTile[bits == 8][M];
+    ForEachPanel(pool, N, [&](int64_t p) {
+      tile(x.typed_data(), K, codes.typed_data() + p * code_stride,
+           scales.typed_data() + p * scale_stride, offsets.typed_data() + p * scale_stride, K,
+           out->typed_data() + p * kPanel, N, std::min(kPanel, N - p * kPanel));
+    });
+    return ffi::Error::Success();
+  }
+#endif
   MultiplyPanels(pool, x.typed_data(), M, K, N, out->typed_data(), [&](int64_t p) {
     // Per thread, reused across calls: a [K, 24] panel (55 KB at K = 576) stays in L2.
     thread_local std::vector<float> scratch;

@@ -18,18 +18,32 @@
 //   accumulators rescaled when the max grows), probabilities times V as a second matmul;
 //   both matmuls in register blocks of kTileRows rows x 16 columns.
 //
-// Inputs (float32 pool only; other dtypes take the XLA path):
-//   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; layer [1]; window [1] (<= 0: none);
-//   block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
+// Pools of float32, bfloat16, float16 or float8_e4m3fn: a float32 pool is read in place; the
+// others are widened to float32 a slice of rows at a time (8 keys for a decode row, a page for
+// a prefill tile) into a per-thread buffer, and the loops above run on that. Widening is exact
+// (bf16 is float32's high half; fp16 and e4m3fn decode exactly, fp8 then times its layer and
+// head's scale as the XLA path dequantizes), so the result is that of a float32 pool holding
+// the same values. The narrower pools read fewer bytes, which is what a long decode row waits
+// on.
+//
+// Inputs:
+//   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; k_scale, v_scale [L, Hkv] (read for fp8 only);
+//   layer [1]; window [1] (<= 0: none); block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
 // Output: [T, Hq, D]; rows of padding tokens are zero.
 // D must be a multiple of 8 and Hq / Hkv at most 8 (attention.supports checks both).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
 #include "row_math.h"
+
+#if defined(__F16C__) && !defined(PAGEDJAX_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -40,10 +54,13 @@ constexpr int64_t kSliceKeys = 8;  // keys per slice of a decode row's pages: on
 constexpr int64_t kQueryTile = 16;  // query tokens of one prefill work item
 constexpr int kTileRows = 6;  // rows of the prefill matmuls' register blocks
 
+// The step's arrays; k and v point at the pool's storage type (AttendOne<T> and AttendTile<T>).
 struct Step {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
+  const float* k_scale;  // [L, Hkv]: an fp8 pool's value = stored * scale
+  const float* v_scale;
   const int32_t* tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -54,8 +71,105 @@ struct Step {
 };
 
 // Touches every cache line of `bytes` from `p` so that they arrive while this page is used.
-inline void Prefetch(const float* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+inline void Prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+}
+
+// The pool's storage types besides float32: one struct each, so that overloads tell bf16 and
+// fp16 apart (both are 16-bit words).
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+struct Float8E4M3FN {
+  uint8_t bits;
+};
+
+inline float FromBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Exact scalar conversions: the portable path, and the tails of the vector ones.
+inline float ToFloat(BFloat16 x) { return FromBits(uint32_t(x.bits) << 16); }
+
+inline float ToFloat(Float16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16, exp = (x.bits >> 10) & 0x1F;
+  const uint32_t mantissa = x.bits & 0x3FF;
+  if (exp == 0) {  // zero or subnormal: mantissa * 2^-24, computed on normal float32s, which
+    const float f = float(mantissa) * 0x1p-24f;  // flush-to-zero modes leave alone
+    return sign ? -f : f;
+  }
+  const uint32_t biased = exp == 0x1F ? 0xFF : exp + (127 - 15);  // inf and NaN stay all ones
+  return FromBits(sign | biased << 23 | mantissa << 13);
+}
+
+// e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no inf; S.1111.111 is NaN.
+inline float ToFloat(Float8E4M3FN x) {
+  const uint32_t magnitude = x.bits & 0x7F;
+  float f;
+  if (magnitude == 0x7F) f = NAN;
+  else if (magnitude < 8) f = float(magnitude) * 0x1p-9f;  // subnormal: mantissa * 2^-9
+  else f = FromBits((magnitude << 20) + ((127 - 7) << 23));  // rebias the exponent 7 -> 127
+  return x.bits & 0x80 ? -f : f;
+}
+
+// out[i] = x[i] as float32 for i < n, exactly; an fp8 value times `scale` (other types ignore
+// it), one float32 rounding as the XLA path's dequantization.
+inline void Widen(const BFloat16* x, int64_t n, float, float* out) {
+  int64_t i = 0;
+#ifdef PAGEDJAX_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = ToFloat(x[i]);
+}
+
+inline void Widen(const Float16* x, int64_t n, float, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__  // exact, subnormals included
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + i))));
+#endif
+  for (; i < n; ++i) out[i] = ToFloat(x[i]);
+}
+
+inline void Widen(const Float8E4M3FN* x, int64_t n, float scale, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+  // An e4m3fn byte's bits moved into an fp16's (the sign on top, exponent and mantissa just
+  // under fp16's top exponent bit) are its value times 2^-8, subnormals included, which F16C
+  // widens exactly; times 256 * scale then rounds as value * scale does (times a power of two
+  // is exact). 1.5x faster than ToFloat's cases as compares and blends, 6x a table gather.
+  const __m256 scales = _mm256_set1_ps(scale * 256.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(x + i)));
+    // Sign-extended and shifted left 7, the sign fills bits 15 and 14: bit 14 is cleared.
+    __m128i half = _mm_and_si128(_mm_slli_epi16(bytes, 7), _mm_set1_epi16(int16_t(0xBF80)));
+    // S.1111.111 (NaN) would read as 1.875 * 2^-8: made all ones, an fp16 NaN.
+    const __m128i is_nan =
+        _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+    half = _mm_or_si128(half, is_nan);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(half), scales));
+  }
+#endif
+  for (; i < n; ++i) out[i] = ToFloat(x[i]) * scale;
+}
+
+// n values from x as float32: x itself for a float32 pool, else x widened into `buffer`.
+template <typename T>
+inline const float* AsFloat(const T* x, int64_t n, float scale, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    Widen(x, n, scale, buffer);
+    return buffer;
+  }
 }
 
 #ifdef PAGEDJAX_AVX2
@@ -242,12 +356,14 @@ constexpr AccumulateFn kAccumulate[kMaxGroup + 1] = {
 
 // Per-thread buffers, at least as large as a call needs. Decode: scores (then probabilities)
 // of the group's heads, and accumulators. Prefill: also the tile's queries, a K page
-// transposed, and the running max and sum of each query row.
+// transposed, and the running max and sum of each query row. Both: K or V rows widened to
+// float32 (pools of other dtypes).
 struct Scratch {
-  std::vector<float> scores, acc, queries, keys_t, max, sum;
+  std::vector<float> scores, acc, queries, keys_t, max, sum, widened;
 };
 
-// One decode row: sequence s (q_len 1), KV head h.
+// One decode row: sequence s (q_len 1), KV head h, on a pool of T.
+template <typename T>
 void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
   const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
   const int64_t row = st.query_start_loc[s], num_q_heads = st.num_kv_heads * g;
@@ -264,38 +380,48 @@ void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
   const int32_t* table = st.tables + s * st.width;
   float* scores = scratch.scores.data();
   float* acc = scratch.acc.data();
+  float* widened = scratch.widened.data();
+  const float k_scale = st.k_scale[st.layer * st.num_kv_heads + h];
+  const float v_scale = st.v_scale[st.layer * st.num_kv_heads + h];
+  const T* k_pool = static_cast<const T*>(st.k);
+  const T* v_pool = static_cast<const T*>(st.v);
   // Blocks first_block..last_block hold keys start..len-1; a block's page in a pool.
-  const int64_t first_block = start / bs, last_block = (len - 1) / bs, page_floats = bs * D;
-  auto page = [&](const float* pool, int64_t block) {
+  const int64_t first_block = start / bs, last_block = (len - 1) / bs, page_size = bs * D;
+  auto page = [&](const T* pool, int64_t block) {
     return pool + (head_pages + std::clamp<int64_t>(table[block], 0, st.num_blocks - 1)) *
-                      page_floats;
+                      page_size;
   };
   // Before slice t (of `count` keys) of a page: the same slice of the next page, or all that
   // is left of it before the last slice.
-  auto next_page = [&](const float* pool, int64_t block) {
+  auto next_page = [&](const T* pool, int64_t block) {
     return block < last_block ? page(pool, block + 1) : nullptr;
   };
-  auto prefetch_slice = [&](const float* next, int64_t t, int64_t count) {
-    if (next) Prefetch(next + t * D, (t + kSliceKeys >= count ? bs - t : kSliceKeys) * D * 4);
+  auto prefetch_slice = [&](const T* next, int64_t t, int64_t count) {
+    if (next)
+      Prefetch(next + t * D, (t + kSliceKeys >= count ? bs - t : kSliceKeys) * D * sizeof(T));
   };
 
   // Pass 1: scores[j * span + key - start].
-  Prefetch(page(st.k, first_block), page_floats * 4);
+  Prefetch(page(k_pool, first_block), page_size * sizeof(T));
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
-    const float* k = page(st.k, b) + (lo - b * bs) * D;
-    const float* next = next_page(st.k, b);
+    const T* k = page(k_pool, b) + (lo - b * bs) * D;
+    const T* next = next_page(k_pool, b);
     float* sb = scores + (lo - start);
     int64_t t = 0;
     for (; t + kSliceKeys <= count; t += kSliceKeys) {
       prefetch_slice(next, t, count);
-      for (int64_t j = 0; j < g; ++j) Dot8(q + j * D, k + t * D, D, sb + j * span + t);
+      const float* keys = AsFloat(k + t * D, kSliceKeys * D, k_scale, widened);
+      for (int64_t j = 0; j < g; ++j) Dot8(q + j * D, keys, D, sb + j * span + t);
     }
-    if (t < count) prefetch_slice(next, t, count);
-    for (; t < count; ++t)
-      for (int64_t j = 0; j < g; ++j) sb[j * span + t] = Dot(q + j * D, k + t * D, D);
+    if (t < count) {
+      prefetch_slice(next, t, count);
+      const float* keys = AsFloat(k + t * D, (count - t) * D, k_scale, widened);
+      for (int64_t u = 0; t + u < count; ++u)
+        for (int64_t j = 0; j < g; ++j) sb[j * span + t + u] = Dot(q + j * D, keys + u * D, D);
+    }
   }
-  Prefetch(page(st.v, first_block), page_floats * 4);
+  Prefetch(page(v_pool, first_block), page_size * sizeof(T));
 
   // Softmax per head, exact: pass 1 saw every score.
   float total[kMaxGroup];
@@ -308,12 +434,13 @@ void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
   std::fill(acc, acc + g * D, 0.f);
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t lo = std::max(start, b * bs), count = std::min(len, b * bs + bs) - lo;
-    const float* v = page(st.v, b) + (lo - b * bs) * D;
-    const float* next = next_page(st.v, b);
+    const T* v = page(v_pool, b) + (lo - b * bs) * D;
+    const T* next = next_page(v_pool, b);
     for (int64_t t = 0; t < count; t += kSliceKeys) {
       prefetch_slice(next, t, count);
-      kAccumulate[g](scores + (lo - start) + t, span, v + t * D,
-                     std::min(kSliceKeys, count - t), D, acc);
+      const int64_t n = std::min(kSliceKeys, count - t);
+      kAccumulate[g](scores + (lo - start) + t, span, AsFloat(v + t * D, n * D, v_scale, widened),
+                     n, D, acc);
     }
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -330,6 +457,7 @@ inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // tile's rows (a matmul against the page transposed), an online softmax in float32 (running
 // max and sum, accumulators rescaled when the max grows), then probabilities times V.
 // The g x n query rows are ordered head-major (row j * n + r) and padded to kTileRows.
+template <typename T>
 void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& scratch) {
   const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
   const int64_t num_q_heads = st.num_kv_heads * g;
@@ -350,6 +478,7 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
   float* acc = scratch.acc.data();
   float* max = scratch.max.data();
   float* sum = scratch.sum.data();
+  float* widened = scratch.widened.data();
   for (int64_t j = 0; j < g; ++j)
     for (int64_t r = 0; r < n; ++r) {
       const float* q = st.q + ((begin + first + r) * num_q_heads + h * g + j) * D;
@@ -361,7 +490,11 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
   std::fill(sum, sum + padded_rows, 0.f);
   const int64_t head_pages = (st.layer * st.num_kv_heads + h) * st.num_blocks;
   const int32_t* table = st.tables + s * st.width;
-  auto page = [&](const float* pool, int64_t block) {
+  const float k_scale = st.k_scale[st.layer * st.num_kv_heads + h];
+  const float v_scale = st.v_scale[st.layer * st.num_kv_heads + h];
+  const T* k_pool = static_cast<const T*>(st.k);
+  const T* v_pool = static_cast<const T*>(st.v);
+  auto page = [&](const T* pool, int64_t block) {
     return pool + (head_pages + std::clamp<int64_t>(table[block], 0, st.num_blocks - 1)) *
                       bs * D;
   };
@@ -369,8 +502,7 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
   for (int64_t b = first_key / bs; b <= last_key / bs; ++b) {
     const int64_t lo = std::max(first_key, b * bs);
     const int64_t count = std::min(last_key + 1, b * bs + bs) - lo;
-    const float* k = page(st.k, b) + (lo - b * bs) * D;
-    const float* v = page(st.v, b) + (lo - b * bs) * D;
+    const float* k = AsFloat(page(k_pool, b) + (lo - b * bs) * D, count * D, k_scale, widened);
     // keys_t[d][t] = k[t][d], zero past `count`.
     const int64_t width = RoundUp(count, 8);
     for (int64_t d = 0; d < D; ++d) {
@@ -404,6 +536,8 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= alpha;
     }
+    // V after the transpose is done with K's rows: the two share the widening buffer.
+    const float* v = AsFloat(page(v_pool, b) + (lo - b * bs) * D, count * D, v_scale, widened);
     for (int64_t r = 0; r < padded_rows; r += kTileRows)
       Matmul<kTileRows, 2>(scores + r * cols, cols, v, D, count, acc + r * D, D, D, true);
   }
@@ -416,15 +550,52 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
     }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
-                              ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+// A work item: {sequence, KV head, first query of the tile, or -1 for a decode row}.
+struct Item {
+  int32_t seq, head, first;
+};
+
+// Runs the items on XLA's intra-op threads, on a pool of T.
+template <typename T>
+void AttendAll(ffi::ThreadPool& pool, const Step& step, const std::vector<Item>& items) {
+  const int64_t cols = RoundUp(step.block_size, 8);
+  const int64_t rows = RoundUp(step.group * kQueryTile, kTileRows);
+  const size_t num_scores = std::max(step.group * step.width * step.block_size, rows * cols);
+  const size_t num_acc = rows * step.head_dim;
+  // Widened rows: a decode slice or a prefill tile's page (none for a float32 pool).
+  const size_t num_widened =
+      std::is_same_v<T, float> ? 0 : std::max(kSliceKeys, step.block_size) * step.head_dim;
+  pagedjax::ParallelFor(pool, items.size(), [&](int64_t i) {
+    thread_local Scratch scratch;  // grown, never shrunk: no zero-fill per item
+    if (scratch.scores.size() < num_scores) scratch.scores.resize(num_scores);
+    if (scratch.acc.size() < num_acc) scratch.acc.resize(num_acc);
+    if (scratch.widened.size() < num_widened) scratch.widened.resize(num_widened);
+    const Item item = items[i];
+    if (item.first < 0) return AttendOne<T>(step, item.seq, item.head, scratch);
+    if (scratch.queries.size() < num_acc) scratch.queries.resize(num_acc);
+    if (scratch.keys_t.size() < size_t(step.head_dim * cols))
+      scratch.keys_t.resize(step.head_dim * cols);
+    if (scratch.max.size() < size_t(rows)) scratch.max.resize(rows), scratch.sum.resize(rows);
+    AttendTile<T>(step, item.seq, item.head, item.first, scratch);
+  });
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                              ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start_loc, float scale,
                               float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), t_dims = tables.dimensions();
   if (q_dims.size() != 3 || k_dims.size() != 5 || t_dims.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: unexpected ranks");
+  if (v.element_type() != k.element_type() ||
+      !std::equal(k_dims.begin(), k_dims.end(), v.dimensions().begin(), v.dimensions().end()))
+    return ffi::Error::InvalidArgument("paged_attention: k and v pools differ");
+  if (k_scale.element_count() != size_t(k_dims[0] * k_dims[1]) ||
+      v_scale.element_count() != size_t(k_dims[0] * k_dims[1]))
+    return ffi::Error::InvalidArgument("paged_attention: scales must be [layers, KV heads]");
   const int64_t group = q_dims[1] / k_dims[1];
   if (group < 1 || group > kMaxGroup || q_dims[1] % k_dims[1] != 0)
     return ffi::Error::InvalidArgument("paged_attention: query heads per KV head must be 1-8");
@@ -432,8 +603,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_attention: head_dim must be a multiple of 8");
   Step step;
   step.q = q.typed_data();
-  step.k = k.typed_data();
-  step.v = v.typed_data();
+  step.k = k.untyped_data();
+  step.v = v.untyped_data();
+  step.k_scale = k_scale.typed_data();
+  step.v_scale = v_scale.typed_data();
   step.tables = tables.typed_data();
   step.seq_lens = seq_lens.typed_data();
   step.query_start_loc = query_start_loc.typed_data();
@@ -452,11 +625,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   step.soft_cap = soft_cap;
   std::fill(step.out, step.out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
 
-  // Work items, prefill tiles first (the larger ones, so that the threads finish together):
-  // {sequence, KV head, first query of the tile, or -1 for a decode row}.
-  struct Item {
-    int32_t seq, head, first;
-  };
+  // Work items, prefill tiles first (the larger ones, so that the threads finish together).
   std::vector<Item> items;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t s = 0; s < step.num_seqs; ++s) {
@@ -470,21 +639,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           items.push_back({int32_t(s), int32_t(h), -1});
       }
     }
-  const int64_t cols = RoundUp(step.block_size, 8), rows = RoundUp(group * kQueryTile, kTileRows);
-  const size_t num_scores = std::max(group * step.width * step.block_size, rows * cols);
-  const size_t num_acc = rows * step.head_dim;
-  pagedjax::ParallelFor(pool, items.size(), [&](int64_t i) {
-    thread_local Scratch scratch;  // grown, never shrunk: no zero-fill per item
-    if (scratch.scores.size() < num_scores) scratch.scores.resize(num_scores);
-    if (scratch.acc.size() < num_acc) scratch.acc.resize(num_acc);
-    const Item item = items[i];
-    if (item.first < 0) return AttendOne(step, item.seq, item.head, scratch);
-    if (scratch.queries.size() < num_acc) scratch.queries.resize(num_acc);
-    if (scratch.keys_t.size() < size_t(step.head_dim * cols))
-      scratch.keys_t.resize(step.head_dim * cols);
-    if (scratch.max.size() < size_t(rows)) scratch.max.resize(rows), scratch.sum.resize(rows);
-    AttendTile(step, item.seq, item.head, item.first, scratch);
-  });
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      AttendAll<float>(pool, step, items);
+      break;
+    case ffi::DataType::BF16:
+      AttendAll<BFloat16>(pool, step, items);
+      break;
+    case ffi::DataType::F16:
+      AttendAll<Float16>(pool, step, items);
+      break;
+    case ffi::DataType::F8E4M3FN:
+      AttendAll<Float8E4M3FN>(pool, step, items);
+      break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "paged_attention: pools must be float32, bfloat16, float16 or float8_e4m3fn");
+  }
   return ffi::Error::Success();
 }
 
@@ -494,8 +665,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
+                                  .Arg<ffi::AnyBuffer>()         // k pool
+                                  .Arg<ffi::AnyBuffer>()         // v pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables

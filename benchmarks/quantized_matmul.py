@@ -1,0 +1,131 @@
+"""The block-code matmul kernel (`pagedjax/cpu_native/csrc/packed_matmul.cc`, QuantizedMatmul)
+of the work tree against the same kernel at a git revision, in one process, at the default
+model's (SmolLM2-135M) decode shapes.
+
+    python benchmarks/quantized_matmul.py [--rows 1] [--baseline-rev HEAD] [--repeats 15]
+
+The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
+engine's kernels and registered under another FFI target. Each layer shape runs as a chain of
+`--layers` distinct random 4-bit weights (x feeds the next call), so the weights stream from
+memory as in a decode step; the 8-bit LM head is one weight (35 MB, past the L3). Old and new
+take turns, `--iters` chains each per repeat; the table holds the median microseconds per
+matmul and old / new. Both kernels' outputs are checked equal bit for bit first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+
+from pagedjax.cpu_native import build, matmul  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = "pagedjax/cpu_native/csrc"
+BASELINE_TARGET = "pagedjax_quantized_matmul_baseline"
+H, Q, KV, INTER, VOCAB = 576, 576, 192, 1536, 49152  # SmolLM2-135M
+SHAPES = {  # name: (K, N, bits)
+    "wqkv": (H, Q + 2 * KV, 4),
+    "wo": (Q, H, 4),
+    "w_gate_up": (H, 2 * INTER, 4),
+    "w_down": (INTER, H, 4),
+    "lm_head": (H, VOCAB, 8),
+}
+
+
+def register_baseline(rev: str) -> None:
+    """Compiles the kernel at `rev` and registers its QuantizedMatmul as BASELINE_TARGET."""
+    with tempfile.TemporaryDirectory(prefix="quantized_matmul_") as directory:
+        tmp = Path(directory)
+        for name in ("packed_matmul.cc", "parallel.h"):
+            source = subprocess.run(
+                ["git", "show", f"{rev}:{CSRC}/{name}"],
+                cwd=ROOT, capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            (tmp / name).write_text(source)
+        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        library = tmp / "baseline.so"
+        subprocess.run(
+            [compiler, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+             "-w", f"-I{jax.ffi.include_dir()}", str(tmp / "packed_matmul.cc"), "-o", str(library)],
+            check=True,
+        )  # fmt: skip
+        handler = ctypes.cdll.LoadLibrary(str(library)).QuantizedMatmul  # stays loaded
+    jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def random_weight(rng, k: int, n: int, bits: int) -> matmul.QuantizedWeight:
+    codes = rng.integers(0, 256, (k * bits // 8, n), dtype=np.uint8)
+    scales = (rng.random((k // 32, n)) * 0.02).astype(np.float16).astype(np.float32)
+    offsets = -(2 ** (bits - 1)) * scales if bits == 4 else np.zeros_like(scales)
+    return matmul.pack_blocks(codes, scales, offsets, bits)
+
+
+def chain(target: str, x: jax.Array, weights: list[matmul.QuantizedWeight]) -> jax.Array:
+    """x through every weight in turn (each call's input depends on the previous output)."""
+    for w in weights:
+        out_shape = jax.ShapeDtypeStruct((x.shape[0], w.columns), jnp.float32)
+        y = jax.ffi.ffi_call(target, out_shape)(
+            x, w.codes, w.scales, w.offsets, columns=np.int64(w.columns), bits=np.int64(w.bits)
+        )
+        x = x + 1e-30 * y[:, :1]
+    return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M of x [M, K]")
+    parser.add_argument("--baseline-rev", default="HEAD", help="git revision of the old kernel")
+    parser.add_argument("--layers", type=int, default=30, help="weights per layer shape")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
+    args = parser.parse_args()
+    assert build.available()
+    register_baseline(args.baseline_rev)
+
+    rng = np.random.default_rng(0)
+    result: dict = {"baseline_rev": args.baseline_rev}
+    for name, (k, n, bits) in SHAPES.items():
+        weights = [
+            random_weight(rng, k, n, bits) for _ in range(1 if name == "lm_head" else args.layers)
+        ]
+        for rows in args.rows:
+            x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+            runs = {
+                kind: jax.jit(lambda x, ws, t=target: chain(t, x, ws))
+                for kind, target in (("old", BASELINE_TARGET), ("new", matmul.QUANTIZED_TARGET))
+            }
+            outs = [np.asarray(run(x, weights)) for run in runs.values()]
+            assert np.array_equal(*outs), f"{name} M={rows}: the kernels differ"
+            times: dict[str, list[float]] = {kind: [] for kind in runs}
+            for _ in range(args.repeats):
+                for kind, run in runs.items():
+                    start = time.perf_counter()
+                    for _ in range(args.iters):
+                        out = run(x, weights)
+                    out.block_until_ready()
+                    per_call = (time.perf_counter() - start) / (args.iters * len(weights))
+                    times[kind].append(1e6 * per_call)
+            old, new = (statistics.median(times[kind]) for kind in ("old", "new"))
+            key = f"M{rows}_{name}_{k}x{n}_q{bits}"
+            result[f"{key}_old_us"] = old
+            result[f"{key}_new_us"] = new
+            result[f"{key}_old/new"] = old / new
+    report("quantized_matmul", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -58,6 +58,14 @@ def _sequence_slots(request: EngineRequest) -> int:
     return 1
 
 
+def _min_tokens_bias(request: EngineRequest, num_output_tokens: int) -> dict[int, float]:
+    """The bias of a sample after `num_output_tokens` outputs: stop tokens and EOS are -inf
+    until min_tokens are out."""
+    if num_output_tokens < request.params.min_tokens:
+        return dict.fromkeys(request.min_tokens_banned, float("-inf"))
+    return {}
+
+
 DEFAULT_POLICY = PriorityPolicy()
 
 
@@ -366,9 +374,7 @@ class Scheduler:
                 out.forks.append((request, child))
                 samplers.append(child)
         for sampler in samplers:
-            bias = {}
-            if sampler.num_output_tokens < sampler.params.min_tokens:
-                bias = dict.fromkeys(sampler.min_tokens_banned, float("-inf"))
+            bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
             constraints = sampler.constraints
             if constraints is not None:
                 bias.update(constraints.banned(sampler.output_token_ids))
@@ -400,10 +406,8 @@ class Scheduler:
         out.seqs.append(ScheduledSequence(tokens + drafts, start, self.kv.get_block_ids(request)))
         request.num_drafts_in_flight = k = len(drafts)
         out.spec_rows[len(out.rows)] = k
-        banned = dict.fromkeys(request.min_tokens_banned, float("-inf"))
         num_tokens = len(request.all_token_ids)
         for j in range(k + 1):
-            early = request.num_output_tokens + j < request.params.min_tokens
             out.rows.append(
                 SampleRow(
                     index,
@@ -411,7 +415,7 @@ class Scheduler:
                     request.all_token_ids,
                     request.num_prompt_tokens,
                     request.seed,
-                    banned if early else {},
+                    _min_tokens_bias(request, request.num_output_tokens + j),
                     num_tokens=num_tokens + j,
                     offset=k - j,
                     draft_token=drafts[j] if j < k else -1,
@@ -483,10 +487,7 @@ class Scheduler:
         accepted = result.accepted
         for row in range(first_row, first_row + k + 1):
             if not result.finite[row]:
-                logger.error(
-                    "request %s: NaN/inf logits; it finishes with an error", request.request_id
-                )
-                status = RequestStatus.FINISHED_ERROR
+                status = self._non_finite(request)
                 break
             token = int(result.token_ids[row])
             request.all_token_ids.append(token)
@@ -505,6 +506,23 @@ class Scheduler:
         elif request.status is RequestStatus.RUNNING:  # not preempted since it was scheduled
             request.num_computed_tokens += len(tokens) - 1  # the accepted drafts' KV
             self.kv.free_tail(request)
+        return self._output(request, tokens, result, first_row, status)
+
+    @staticmethod
+    def _non_finite(request: EngineRequest) -> RequestStatus:
+        """Logs a row whose logits held NaN or inf; its sequence finishes with an error."""
+        logger.error("request %s: NaN/inf logits; it finishes with an error", request.request_id)
+        return RequestStatus.FINISHED_ERROR
+
+    @staticmethod
+    def _output(
+        request: EngineRequest,
+        tokens: list[int],
+        result: ModelRunnerOutput,
+        first_row: int,
+        status: RequestStatus | None,
+    ) -> EngineCoreOutput:
+        """A sequence's new tokens (their logprobs from `first_row` on) and its status."""
         return EngineCoreOutput(
             request.group_id,
             request.sample_index,
@@ -520,10 +538,7 @@ class Scheduler:
         self, request: EngineRequest, row: int, position: int, result: ModelRunnerOutput
     ) -> EngineCoreOutput:
         if not result.finite[row]:
-            logger.error(
-                "request %s: NaN/inf logits; it finishes with an error", request.request_id
-            )
-            self.finish(request, RequestStatus.FINISHED_ERROR)
+            self.finish(request, self._non_finite(request))
             return EngineCoreOutput(request.group_id, request.sample_index, status=request.status)
         token = int(result.token_ids[row])
         request.all_token_ids[position] = token
@@ -533,16 +548,7 @@ class Scheduler:
             status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             self.finish(request, status)
-        return EngineCoreOutput(
-            request.group_id,
-            request.sample_index,
-            [token],
-            result.logprobs,
-            row,
-            status,
-            request.stop_reason,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return self._output(request, [token], result, row, status)
 
     def _check_stop(
         self, request: EngineRequest, token: int, num_tokens: int

@@ -3,10 +3,9 @@
 //
 // XLA:CPU scatters into a bf16 or fp8 array by converting the whole array to a wider float and
 // back (its float normalization), and a bitcast to integers around the scatter costs a copy of
-// the pool: either way each layer's write of one token passes over the whole pool. A decode
-// step of 30 layers over a 10k-token bf16 pool of the default model's shape took 2.1 s so,
-// 12 ms with this kernel (benchmarks/README.md). The pools are aliased to the outputs, so XLA
-// hands the kernel the pool's own buffers.
+// the pool: either way each layer's write of one token passes over the whole pool (timings in
+// benchmarks/README.md). The pools are aliased to the outputs, so XLA hands the kernel the
+// pool's own buffers.
 //
 // Inputs: k, v pools [L, Hkv, NB, bs, D]; k_rows, v_rows [T, Hkv, D] in the pool's dtype
 // (already rounded or quantized as kv_cache.write_kv does); slots [T] (block * bs + offset;

@@ -189,7 +189,7 @@ __m256i Bytes(const uint8_t* q) {
 // Tile<R> over the panel that WidenPanel would write, without writing it: each k's 24 weights
 // are widened in registers by the same FMA and used at once. At a few rows the widening is
 // done once either way, and the scratch panel's store and reload cost more than the widening
-// (about 1.7x at one row, benchmarks/README.md). The same sums bit for bit: one accumulator per
+// (benchmarks/README.md). The same sums bit for bit: one accumulator per
 // row and column, k in order, an FMA per term, starting from zero. (At one row the three
 // accumulators' FMA latency bounds it; two panels at once, for six, spilled the scales and
 // offsets: slower on 4-bit codes, 7% faster on 8-bit.)

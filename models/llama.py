@@ -96,9 +96,24 @@ def layer_matmul(
     return x @ weight[layer]
 
 
+def ordered_sum(x: jax.Array) -> jax.Array:
+    """x [..., N] summed over its last axis in one fixed order, as elementwise adds: halves
+    added pairwise while the width is even, then the rest in order. XLA picks a reduction's
+    order by shape (a decode step's few rows sum otherwise than a prefill's), which would make
+    a token's result depend on its batch (`docs/batch_invariance.md`)."""
+    while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    total = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        total = total + x[..., i]
+    return total[..., None]
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_square = ordered_sum(x32 * x32) / x.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight * x32.astype(x.dtype)
 
 

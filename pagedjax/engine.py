@@ -19,6 +19,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import load_tokenizer
+from models.training import DenseKernels
 from pagedjax import distributed
 from pagedjax.config import EngineConfig
 from pagedjax.constraints import ConstraintBuilder
@@ -223,6 +224,16 @@ class LLMEngine:
         if stopped:
             self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def dense_kernels(self) -> DenseKernels:
+        """The kernels with which `models.training`'s dense forward computes this engine's
+        logprobs bit for bit (`docs/batch_invariance.md`); a batch-invariant engine only."""
+        if not self.config.batch_invariant:
+            raise ValueError(
+                "dense_kernels() reproduces a batch-invariant engine's arithmetic (decode rows "
+                "and prefill chunks alike): build the engine with batch_invariant=True"
+            )
+        return self.workers[0].platform.dense_kernels(self.config.block_size)
 
     def sleep(self, level: int = 1) -> None:
         for core in self.cores:

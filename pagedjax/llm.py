@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from models.llama import Params
 from models.loader import load_model_config
+from models.training import DenseKernels
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
@@ -107,6 +108,11 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restores what `sleep` freed: "weights" and/or "kv_cache" (both by default)."""
         self.llm_engine.wake_up(tags)
+
+    def dense_kernels(self) -> DenseKernels:
+        """For `models.training.token_logprobs(params, config, ids, kernels)`: the kernels
+        that give this (batch_invariant=True) engine's logprobs bit for bit, with gradients."""
+        return self.llm_engine.dense_kernels()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -9,6 +9,7 @@ unknown keyword, raises an error naming it and saying what is supported. The tab
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,10 @@ def split_options(options: dict[str, Any], known: set[str]) -> dict[str, Any]:
             )
         if keyword.option is not None and value is not None:
             engine[keyword.option] = value
+    # vLLM turns batch invariance on from the environment, for its server as for LLM().
+    from_environment = os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
+    if from_environment and "batch_invariant" in known and "batch_invariant" not in engine:
+        engine["batch_invariant"] = True
     if unknown:
         raise TypeError(
             f"unknown engine options {sorted(unknown)}; pagedjax options: {sorted(known)}; "

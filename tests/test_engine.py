@@ -291,6 +291,9 @@ def test_token_buckets_end_at_the_budget_and_pad_little():
 
     assert token_buckets(512) == [1, 4, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     assert token_buckets(100) == [1, 4, 16, 32, 64, 100] and token_buckets(1) == [1]
+    # Batch invariant: no one-token step (XLA:CPU compiles its KV write otherwise).
+    assert token_buckets(100, batch_invariant=True) == [2, 4, 16, 32, 64, 100]
+    assert token_buckets(1, batch_invariant=True) == [2]
     for budget in (129, 600, 2048, 8192):
         buckets = token_buckets(budget)
         assert buckets == sorted(set(buckets)) and buckets[-1] == budget

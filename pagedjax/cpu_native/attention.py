@@ -19,6 +19,9 @@ into a bf16 or fp8 pool passes over the whole pool.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,9 +46,11 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    invariant: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, head_dim] in q's dtype; padding rows are zero
     """Attention of every new token of the step (the contract of `kernels_pallas/backend.py`);
-    call when `CPU_NATIVE.supports` the model."""
+    call when `CPU_NATIVE.supports` the model. `invariant`: every row runs the prefill tiles'
+    arithmetic, decode rows too, so a token's result does not depend on how it was batched."""
     dtype = q.dtype
     window = 0 if sliding_window is None else sliding_window
     if cache.k_scale is None:  # the kernel reads scales for fp8 pools only; others pass ones
@@ -67,6 +72,7 @@ def paged_attention_cpu(
         metadata.query_start_loc,
         scale=np.float32(scale),
         soft_cap=np.float32(soft_cap or 0.0),
+        invariant=np.int64(invariant),
     )
     return out.astype(dtype)
 
@@ -118,4 +124,10 @@ CPU_NATIVE = FunctionBackend(
     cost_follows_context=True,
     check=_supports,
     write_kv=write_kv_cpu,
+)
+# The engine's batch_invariant=True (`docs/batch_invariance.md`).
+CPU_NATIVE_INVARIANT = dataclasses.replace(
+    CPU_NATIVE,
+    name="cpu_native_invariant",
+    fn=functools.partial(paged_attention_cpu, invariant=True),
 )

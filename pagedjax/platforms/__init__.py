@@ -4,7 +4,8 @@
 returns to the worker, the model runner and the sampler, and nothing else asks which machine it
 runs on. A platform names the default block size, the dtype that "auto" means, the attention
 backends that "auto" tries, how weights are prepared (the CPU packs them for its C++ kernels),
-the KV budget, and the sampler's kernels.
+the KV budget, the sampler's kernels, and the batch-invariant kernels (the engine's and the
+dense training forward's).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from kernels_pallas.kv_cache import KV_LAYOUT
+from models.training import XLA_KERNELS, DenseKernels
 from pagedjax.attention import get_backend
 
 if TYPE_CHECKING:
@@ -85,6 +87,21 @@ class Platform:
             f"attention_backend={requested!r} cannot run this model on {self.name} "
             f"({'; '.join(reasons)}); choose another attention_backend"
         )
+
+    def batch_invariant_backend(
+        self, backend: AttentionBackend, dtype: jax.typing.DTypeLike
+    ) -> AttentionBackend:
+        """The variant of `backend` whose every result is independent of how the step was
+        batched (EngineConfig.batch_invariant); ValueError saying why where there is none."""
+        raise ValueError(
+            f"batch_invariant=True runs on the CPU's C++ kernels only; {self.name} has no "
+            "batch-invariant kernels yet: drop batch_invariant"
+        )
+
+    def dense_kernels(self, block_size: int) -> DenseKernels:
+        """The kernels with which `models.training`'s dense forward reproduces this
+        platform's batch-invariant engine of `block_size`-token blocks."""
+        return XLA_KERNELS
 
     def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
         """Whether a GGUF's block-quantized weights stay quantized (else: widened at load)."""

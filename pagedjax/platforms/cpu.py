@@ -9,6 +9,7 @@ what larger blocks cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,10 @@ from models.llama import Params
 from pagedjax.cpu_native import build
 from pagedjax.platforms import Platform
 from pagedjax.sampler import XLA_SAMPLING
+
+if TYPE_CHECKING:
+    from kernels_pallas.backend import AttentionBackend
+    from models.training import DenseKernels
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,32 @@ class CpuPlatform(Platform):
     def keeps_quantized_weights(self, dtype: jax.typing.DTypeLike) -> bool:
         # Without the kernel XLA would widen every quantized weight on every step.
         return self._packs(dtype)
+
+    def batch_invariant_backend(
+        self, backend: AttentionBackend, dtype: jax.typing.DTypeLike
+    ) -> AttentionBackend:
+        # The matmul kernel sums each output over k in order (invariant by construction);
+        # XLA's dot and the XLA attention loops pick their sums by shape.
+        if not self._packs(dtype):
+            raise ValueError(
+                "batch_invariant=True needs the CPU's C++ kernels and dtype float32"
+                + ("" if self.native else " (the kernels did not build here)")
+            )
+        if backend.name != "cpu_native":
+            raise ValueError(
+                f"batch_invariant=True runs on the C++ attention, not {backend.name!r}: "
+                "leave attention_backend at 'auto' or choose 'cpu_native'"
+            )
+        from pagedjax.cpu_native.attention import CPU_NATIVE_INVARIANT
+
+        return CPU_NATIVE_INVARIANT
+
+    def dense_kernels(self, block_size: int) -> DenseKernels:
+        if not self.native:
+            return super().dense_kernels(block_size)
+        from pagedjax.cpu_native.dense import dense_kernels
+
+        return dense_kernels(block_size)
 
     def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
         if not self._packs(dtype):

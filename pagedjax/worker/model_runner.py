@@ -56,7 +56,9 @@ from pagedjax.worker.host_kv import HostKV
 logger = logging.getLogger(__name__)
 
 
-def token_buckets(max_num_batched_tokens: int, extra: Sequence[int] = ()) -> list[int]:
+def token_buckets(
+    max_num_batched_tokens: int, extra: Sequence[int] = (), batch_invariant: bool = False
+) -> list[int]:
     """1, 4, 16, 32, 64, 128, then steps of a quarter of the last power of two (at least 64):
     192, 256, ... 512, 640, 768, ... 1024, 1280, ..., ending at the budget itself; and the
     `extra` sizes below the budget (one sequence's step with its drafts: speculative decoding
@@ -64,8 +66,14 @@ def token_buckets(max_num_batched_tokens: int, extra: Sequence[int] = ()) -> lis
 
     Padded rows cost as much as real ones in every matmul. A mixed step is its decode rows
     plus whatever prefill fits, so its size is spread over the whole range, and finer steps
-    than powers of two pad fewer rows (benchmarks/README.md has the numbers)."""
-    buckets = [b for b in (1, 4, 16, 32, 64, 128) if b < max_num_batched_tokens]
+    than powers of two pad fewer rows (benchmarks/README.md has the numbers).
+
+    batch_invariant: 2 tokens at least. XLA:CPU turns a one-token step's KV write into a
+    dynamic-update-slice with the rotary embedding fused in, where it rounds otherwise
+    (`docs/batch_invariance.md`)."""
+    smallest = 2 if batch_invariant else 1
+    max_num_batched_tokens = max(max_num_batched_tokens, smallest)
+    buckets = [b for b in (smallest, 4, 16, 32, 64, 128) if b < max_num_batched_tokens]
     while buckets and buckets[-1] >= 128:
         last = buckets[-1]
         bucket = last + max(64, (1 << (last.bit_length() - 1)) // 4)
@@ -238,7 +246,9 @@ class ModelRunner:
         self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
         spec = config.speculative_config
         drafted_step = (1 + spec.num_speculative_tokens,) if spec is not None else ()
-        self.token_buckets = token_buckets(config.max_num_batched_tokens, drafted_step)
+        self.token_buckets = token_buckets(
+            config.max_num_batched_tokens, drafted_step, config.batch_invariant
+        )
         self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
         self.max_num_seqs = config.max_num_seqs
         # Only then is decode-only a static flag of the step, and a key of its compilations.

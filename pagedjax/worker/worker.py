@@ -152,6 +152,8 @@ class Worker:
         )
         self.num_host_blocks = self._host_blocks()
         backends = platform.attention_backends(config.attention_backend, self.attention_spec)
+        if config.batch_invariant:
+            backends = (platform.batch_invariant_backend(backends[0], dtype),)
         self._start(backends)
         if config.calculate_kv_scales:
             kv_scales = self.calibrate_kv_scales()

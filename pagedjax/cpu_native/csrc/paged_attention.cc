@@ -26,9 +26,18 @@
 // the same values. The narrower pools read fewer bytes, which is what a long decode row waits
 // on.
 //
+// Batch invariant (attr invariant = 1): decode rows run as one-query prefill tiles too, so
+// every query's result is one function of its query, its keys and values and the block size,
+// whether it came in a decode step, a prefill chunk of any length, or a verify row beside
+// others. A tile's row never depends on the tile's other rows: each dot is a sum over d in
+// order, the online softmax is the row's own, and keys a row may not see add exact zeros.
+// The dense forward for training (`pagedjax/cpu_native/dense.py`) runs the same tiles, so
+// its logprobs are the engine's bit for bit. Decode pays the transposes of its pages.
+//
 // Inputs:
 //   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; k_scale, v_scale [L, Hkv] (read for fp8 only);
 //   layer [1]; window [1] (<= 0: none); block_tables [S, W]; seq_lens [S]; query_start_loc [S + 1]
+//   attrs: scale, soft_cap, invariant (0 or 1)
 // Output: [T, Hq, D]; rows of padding tokens are zero.
 // D must be a multiple of 8 and Hq / Hkv at most 8 (attention.supports checks both).
 #include <algorithm>
@@ -586,7 +595,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                              float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                              float soft_cap, int64_t invariant,
+                              ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), t_dims = tables.dimensions();
   if (q_dims.size() != 3 || k_dims.size() != 5 || t_dims.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: unexpected ranks");
@@ -626,15 +636,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::fill(step.out, step.out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
 
   // Work items, prefill tiles first (the larger ones, so that the threads finish together).
+  // Batch invariant: a decode row is a tile of one query.
+  const int64_t min_tile_len = invariant ? 1 : 2;
   std::vector<Item> items;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t s = 0; s < step.num_seqs; ++s) {
       const int64_t q_len = step.query_start_loc[s + 1] - step.query_start_loc[s];
-      if (pass == 0 && q_len > 1) {
+      if (pass == 0 && q_len >= min_tile_len) {
         for (int64_t first = 0; first < q_len; first += kQueryTile)
           for (int64_t h = 0; h < step.num_kv_heads; ++h)
             items.push_back({int32_t(s), int32_t(h), int32_t(first)});
-      } else if (pass == 1 && q_len == 1) {
+      } else if (pass == 1 && q_len == 1 && !invariant) {
         for (int64_t h = 0; h < step.num_kv_heads; ++h)
           items.push_back({int32_t(s), int32_t(h), -1});
       }
@@ -676,4 +688,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("invariant")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,83 @@
+"""What batch_invariant=True costs (`docs/batch_invariance.md`): the default model with and
+without it, in one run, the two engines taking turns, medians of --repeats:
+
+- batch-1 decode: ms per token of one chat prompt's greedy 128 tokens (decode rows run as
+  one-query prefill tiles, and a one-token step pads to 2);
+- W1 throughput: 32 chat prompts of 25-200 tokens, 64 new tokens each, output tokens/s;
+- long prefill: one prompt of --prefill-tokens tokens, prompt tokens/s (unchanged code).
+
+    python benchmarks/batch_invariance.py [--repeats 3] [--prefill-tokens 4000]
+
+Writes results/batch_invariance.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import chat_ids, make_prompts, sized_prompts  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-tokens", type=int, default=4000)
+    args = parser.parse_args()
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    max_len = args.prefill_tokens + 64
+    engines = {
+        # No prefix caching: every repeat computes its prompts again.
+        mode: LLM(
+            max_model_len=max_len,
+            enable_prefix_caching=False,
+            batch_invariant=mode == "batch_invariant",
+        )
+        for mode in ("default", "batch_invariant")
+    }
+    tokenizer = engines["default"].get_tokenizer()
+    one = [chat_ids(tokenizer, "Tell me a long story about a lighthouse keeper.")]
+    w1 = make_prompts(tokenizer, 32)
+    long_prompt = sized_prompts(tokenizer, [args.prefill_tokens])
+
+    def timed(llm, prompts, sampling) -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, sampling, use_tqdm=False)
+        return time.perf_counter() - start
+
+    decode = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    batch = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prefill = SamplingParams(temperature=0, max_tokens=1)
+    cases = {
+        "batch1_decode_ms_per_token": (one, decode, lambda s: 1000 * s / 128),
+        "w1_output_tokens_per_s": (w1, batch, lambda s: 32 * 64 / s),
+        "prefill_tokens_per_s": (long_prompt, prefill, lambda s: args.prefill_tokens / s),
+    }
+    for llm in engines.values():  # compile every shape first
+        for prompts, sampling, _ in cases.values():
+            timed(llm, prompts, sampling)
+    samples: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for mode, llm in engines.items():
+            for case, (prompts, sampling, measure) in cases.items():
+                samples.setdefault(f"{mode}_{case}", []).append(
+                    measure(timed(llm, prompts, sampling))
+                )
+    result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "repeats": args.repeats}
+    result.update({key: float(np.median(values)) for key, values in samples.items()})
+    for case in cases:
+        ratio = result[f"batch_invariant_{case}"] / result[f"default_{case}"]
+        result[f"ratio_{case}"] = ratio  # batch_invariant / default
+    report("batch_invariance", result)
+
+
+if __name__ == "__main__":
+    main()

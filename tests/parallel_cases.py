@@ -179,7 +179,8 @@ def main() -> None:
         from pagedjax import LLM
 
         model_dir, coordinator, num_processes, process_id = sys.argv[2:6]
-        options = dict(SMALL_POOL)
+        # Preemption by swap: each process copies its own shards' blocks out and back.
+        options = dict(SMALL_POOL, preemption_mode="swap")
         if int(num_processes) > 1:
             options.update(
                 coordinator_address=coordinator,
@@ -189,6 +190,8 @@ def main() -> None:
             )
         llm = LLM(model_dir, **options)
         results = {"tokens": generate(llm, case_params()), "again": generate(llm, case_params())}
+        if int(process_id) == 0:  # the leader schedules: its counts
+            results["swapped"] = llm.llm_engine.stats()["num_swapped_preemptions"]
     print("RESULTS " + json.dumps(results))
 
 

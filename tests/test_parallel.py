@@ -155,12 +155,15 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_on_jax_distributed_match_one(tiny_model_dir, cases):
     """Two processes (one CPU device each) joined by jax.distributed, the model split over
-    both, against one process: the same tokens, returned by both processes."""
+    both, against one process: the same tokens, returned by both processes, with requests
+    preempted by swap (each process copies its own heads out and back)."""
     llama, _ = tiny_model_dir("llama")
     coordinator = f"localhost:{free_port()}"
     processes = [run_cases("process", str(llama), coordinator, "2", str(i)) for i in range(2)]
     single = cases["llama/1x1"]
-    for result in (results_of(p, timeout=300) for p in processes):  # the leader, the follower
+    leader, follower = (results_of(p, timeout=300) for p in processes)
+    assert leader.pop("swapped") > 0
+    for result in (leader, follower):
         assert result == {"tokens": single["tokens"], "again": single["tokens"]}
 
 

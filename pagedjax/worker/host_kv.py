@@ -7,6 +7,10 @@ asynchronously; they are written into the host arrays only when a copy in needs 
 the next step's copies out come), so a step that swaps never waits for its own transfer. A
 copy in is one host gather and one transfer, scattered into the donated pool. Transfers are
 padded to a power of two of blocks: a few compiled shapes, whatever the count.
+
+Over several processes (`pagedjax/distributed.py`) each process makes the same calls and
+keeps the heads of its own devices' shards: the host arrays have every head's shape, but a
+process writes and reads only its own (the others' pages are never touched, so never mapped).
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class HostKV:
         self.resolve(wait=False)  # keeps the device buffers of finished copies from piling up
         device_ids, host_ids = zip(*pairs, strict=True)
         k, v = _read_blocks(cache, _padded(device_ids))
-        k.copy_to_host_async()
-        v.copy_to_host_async()
+        for array in (k, v):
+            for shard in array.addressable_shards:
+                shard.data.copy_to_host_async()
         self._pending.append((list(host_ids), k, v))
 
     def resolve(self, wait: bool = True) -> None:
@@ -71,8 +76,10 @@ class HostKV:
             if not wait and not (k.is_ready() and v.is_ready()):
                 break
             n = len(host_ids)
-            self.k[:, :, host_ids] = np.asarray(k)[:, :, :n]
-            self.v[:, :, host_ids] = np.asarray(v)[:, :, :n]
+            for host, array in ((self.k, k), (self.v, v)):
+                for shard in array.addressable_shards:  # this process's heads
+                    layers, heads = shard.index[:2]
+                    host[layers, heads][:, :, host_ids] = np.asarray(shard.data)[:, :, :n]
             done += 1
         del self._pending[:done]
 
@@ -86,6 +93,9 @@ class HostKV:
         rows = _padded(host_ids)
         rows[len(host_ids) :] = host_ids[0]  # any real block: the padding lands in NULL_BLOCK
         k, v = self.k[:, :, rows], self.v[:, :, rows]  # numpy copies, made now
-        if self.sharding is not None:
-            k, v = jax.device_put(k, self.sharding), jax.device_put(v, self.sharding)
+        if self.sharding is not None:  # each device gets its heads from its own process
+            k, v = (
+                jax.make_array_from_callback(x.shape, self.sharding, lambda index, x=x: x[index])
+                for x in (k, v)
+            )
         return _write_blocks(cache, _padded(device_ids), k, v)

@@ -169,9 +169,6 @@ class Worker:
         swap_bytes = int(config.swap_space * 2**30)
         if not swap_bytes:
             return 0
-        if self.channel is not None:
-            logger.warning("swap_space: swapping runs on one host for now; off here")
-            return 0
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if swap_bytes > machine:
             raise ValueError(
@@ -425,8 +422,9 @@ class Worker:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are
         `previous`'s samples."""
         inputs = (out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
-        self._publish("step", (*inputs, previous is not None))
-        return self.runner.dispatch(*inputs, previous, (out.swaps_out, out.swaps_in))
+        swaps = (out.swaps_out, out.swaps_in)
+        self._publish("step", (*inputs, previous is not None, swaps))
+        return self.runner.dispatch(*inputs, previous, swaps)
 
     def warmup(self) -> float:
         """Compiles every step shape; returns the seconds spent."""
@@ -441,8 +439,9 @@ class Worker:
     def follow(self, kind: str, payload: object) -> None:
         """A follower makes the device call the leader's worker announced."""
         if kind == "step":
-            *inputs, has_previous = payload
-            self._last = self.runner.dispatch(*inputs, self._last if has_previous else None)
+            *inputs, has_previous, swaps = payload
+            previous = self._last if has_previous else None
+            self._last = self.runner.dispatch(*inputs, previous, swaps)
         elif kind == "warmup":
             self.runner.warmup()
         elif kind == "reset":

@@ -4,7 +4,8 @@ without it, in one run, the two engines taking turns, medians of --repeats:
 - batch-1 decode: ms per token of one chat prompt's greedy 128 tokens (decode rows run as
   one-query prefill tiles, and a one-token step pads to 2);
 - W1 throughput: 32 chat prompts of 25-200 tokens, 64 new tokens each, output tokens/s;
-- long prefill: one prompt of --prefill-tokens tokens, prompt tokens/s (unchanged code).
+- long prefill: one prompt of --prefill-tokens tokens, prompt tokens/s (unchanged code);
+- long decode: ms per token of 32 greedy tokens after that prompt (first token to last).
 
     python benchmarks/batch_invariance.py [--repeats 3] [--prefill-tokens 4000]
 
@@ -50,16 +51,21 @@ def main() -> None:
 
     def timed(llm, prompts, sampling) -> float:
         start = time.perf_counter()
-        llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        if sampling is long_decode:  # the decode after the prompt's prefill
+            metrics = outputs[0].metrics
+            return metrics.finished_time - metrics.first_token_time
         return time.perf_counter() - start
 
     decode = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     batch = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prefill = SamplingParams(temperature=0, max_tokens=1)
+    long_decode = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
     cases = {
         "batch1_decode_ms_per_token": (one, decode, lambda s: 1000 * s / 128),
         "w1_output_tokens_per_s": (w1, batch, lambda s: 32 * 64 / s),
         "prefill_tokens_per_s": (long_prompt, prefill, lambda s: args.prefill_tokens / s),
+        "long_decode_ms_per_token": (long_prompt, long_decode, lambda s: 1000 * s / 32),
     }
     for llm in engines.values():  # compile every shape first
         for prompts, sampling, _ in cases.values():

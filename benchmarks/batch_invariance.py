@@ -1,10 +1,11 @@
 """What batch_invariant=True costs (`docs/batch_invariance.md`): the default model with and
 without it, in one run, the two engines taking turns, medians of --repeats:
 
-- batch-1 decode: ms per token of one chat prompt's greedy 128 tokens (decode rows run as
-  one-query prefill tiles, and a one-token step pads to 2);
+- batch-1 decode: ms per token of one chat prompt's greedy 128 tokens (a one-token step
+  pads to 2);
 - W1 throughput: 32 chat prompts of 25-200 tokens, 64 new tokens each, output tokens/s;
-- long prefill: one prompt of --prefill-tokens tokens, prompt tokens/s (unchanged code);
+- long prefill: one prompt of --prefill-tokens tokens, prompt tokens/s (each query by the
+  decode path: no page read once for a tile of queries);
 - long decode: ms per token of 32 greedy tokens after that prompt (first token to last).
 
     python benchmarks/batch_invariance.py [--repeats 3] [--prefill-tokens 4000]

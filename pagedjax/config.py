@@ -50,7 +50,7 @@ class EngineConfig:
     # Every token's numerics independent of its batch, chunk, step and neighbours, as vLLM's
     # VLLM_BATCH_INVARIANT: logprobs do not change with load, and `LLM.dense_kernels()` lets
     # the dense training forward reproduce them bit for bit (`docs/batch_invariance.md`). The
-    # CPU's C++ kernels only; decode attention runs the prefill tiles' arithmetic.
+    # CPU's C++ kernels only; prefill attention runs each query by the decode path.
     batch_invariant: bool = False
     # "auto" (vLLM's default) with a Pallas failure at start-up (compile or first step): warn
     # once and run the next backend of the platform's auto list (XLA); False: raise instead.

@@ -49,8 +49,9 @@ def paged_attention_cpu(
     invariant: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, head_dim] in q's dtype; padding rows are zero
     """Attention of every new token of the step (the contract of `kernels_pallas/backend.py`);
-    call when `CPU_NATIVE.supports` the model. `invariant`: every row runs the prefill tiles'
-    arithmetic, decode rows too, so a token's result does not depend on how it was batched."""
+    call when `CPU_NATIVE.supports` the model. `invariant`: every query runs the decode path
+    over the keys up to its position, prefill chunks' too, so a token's result does not depend
+    on its batch."""
     dtype = q.dtype
     window = 0 if sliding_window is None else sliding_window
     if cache.k_scale is None:  # the kernel reads scales for fp8 pools only; others pass ones

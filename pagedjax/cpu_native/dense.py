@@ -4,7 +4,7 @@ its logprobs are the batch-invariant engine's bit for bit (`docs/batch_invarianc
 A float32 model is chaotic at the last bit: one ulp of change in the embeddings moves
 SmolLM2-135M's logprobs by up to 3e-5, so agreeing "to rounding" means agreeing exactly. The
 engine's matmul kernel sums each output over k in order whatever the rows, and its attention
-with `invariant` runs every query as a prefill tile's row; here the same two kernels run the
+with `invariant` runs every query by its decode path; here the same two kernels run the
 dense forward, the attention over a pool of the same block size built from the dense keys.
 Gradients are XLA's: each kernel is a `jax.custom_vjp` whose backward is the VJP of the XLA
 computation it replaces (the same function, rounded otherwise).

@@ -26,13 +26,12 @@
 // the same values. The narrower pools read fewer bytes, which is what a long decode row waits
 // on.
 //
-// Batch invariant (attr invariant = 1): decode rows run as one-query prefill tiles too, so
-// every query's result is one function of its query, its keys and values and the block size,
-// whether it came in a decode step, a prefill chunk of any length, or a verify row beside
-// others. A tile's row never depends on the tile's other rows: each dot is a sum over d in
-// order, the online softmax is the row's own, and keys a row may not see add exact zeros.
-// The dense forward for training (`pagedjax/cpu_native/dense.py`) runs the same tiles, so
-// its logprobs are the engine's bit for bit. Decode pays the transposes of its pages.
+// Batch invariant (attr invariant = 1): every query of a prefill chunk runs the decode path
+// over the keys up to its position, so its result is one function of its query, keys and
+// values, whether it came in a decode step, a prefill chunk of any length, or a verify row
+// beside others. The dense forward for training (`pagedjax/cpu_native/dense.py`) runs the
+// same rows, so its logprobs are the engine's bit for bit. Prefill pays: its queries no
+// longer share a tile's reads of each page.
 //
 // Inputs:
 //   q [T, Hq, D]; k, v [L, Hkv, NB, bs, D]; k_scale, v_scale [L, Hkv] (read for fp8 only);
@@ -371,15 +370,17 @@ struct Scratch {
   std::vector<float> scores, acc, queries, keys_t, max, sum, widened;
 };
 
-// One decode row: sequence s (q_len 1), KV head h, on a pool of T.
+// One query row by the decode path: query `index` of sequence s's q_len (a decode row: the
+// only one), KV head h, on a pool of T; it sees the keys up to its own position.
 template <typename T>
-void AttendOne(const Step& st, int64_t s, int64_t h, Scratch& scratch) {
+void AttendOne(const Step& st, int64_t s, int64_t h, int64_t index, Scratch& scratch) {
   const int64_t D = st.head_dim, g = st.group, bs = st.block_size;
-  const int64_t row = st.query_start_loc[s], num_q_heads = st.num_kv_heads * g;
-  if (row < 0 || row >= st.num_tokens) return;
+  const int64_t begin = st.query_start_loc[s], q_len = st.query_start_loc[s + 1] - begin;
+  const int64_t row = begin + index, num_q_heads = st.num_kv_heads * g;
+  if (row < 0 || row >= st.num_tokens || index >= q_len) return;
   // Clipped into the block table and the pool, as the XLA path clips its gathers: tables are
   // checked where they are built, and a bad one must not read outside the pool.
-  const int64_t len = std::min<int64_t>(st.seq_lens[s], st.width * bs);
+  const int64_t len = std::min<int64_t>(st.seq_lens[s] - q_len + index + 1, st.width * bs);
   const int64_t start = st.window > 0 ? std::max<int64_t>(0, len - st.window) : 0;
   const int64_t span = len - start;  // keys seen, and the stride of a head's scores
   float* o = st.out + (row * num_q_heads + h * g) * D;
@@ -559,7 +560,8 @@ void AttendTile(const Step& st, int64_t s, int64_t h, int64_t first, Scratch& sc
     }
 }
 
-// A work item: {sequence, KV head, first query of the tile, or -1 for a decode row}.
+// A work item: {sequence, KV head, first query of the tile, or -1 - i for query i by the
+// decode path}.
 struct Item {
   int32_t seq, head, first;
 };
@@ -580,7 +582,7 @@ void AttendAll(ffi::ThreadPool& pool, const Step& step, const std::vector<Item>&
     if (scratch.acc.size() < num_acc) scratch.acc.resize(num_acc);
     if (scratch.widened.size() < num_widened) scratch.widened.resize(num_widened);
     const Item item = items[i];
-    if (item.first < 0) return AttendOne<T>(step, item.seq, item.head, scratch);
+    if (item.first < 0) return AttendOne<T>(step, item.seq, item.head, -1 - item.first, scratch);
     if (scratch.queries.size() < num_acc) scratch.queries.resize(num_acc);
     if (scratch.keys_t.size() < size_t(step.head_dim * cols))
       scratch.keys_t.resize(step.head_dim * cols);
@@ -636,19 +638,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::fill(step.out, step.out + q_dims[0] * q_dims[1] * q_dims[2], 0.f);
 
   // Work items, prefill tiles first (the larger ones, so that the threads finish together).
-  // Batch invariant: a decode row is a tile of one query.
-  const int64_t min_tile_len = invariant ? 1 : 2;
+  // Batch invariant: every query by the decode path, the longest contexts first.
   std::vector<Item> items;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t s = 0; s < step.num_seqs; ++s) {
       const int64_t q_len = step.query_start_loc[s + 1] - step.query_start_loc[s];
-      if (pass == 0 && q_len >= min_tile_len) {
+      if (pass == 0 && q_len > 1 && !invariant) {
         for (int64_t first = 0; first < q_len; first += kQueryTile)
           for (int64_t h = 0; h < step.num_kv_heads; ++h)
             items.push_back({int32_t(s), int32_t(h), int32_t(first)});
-      } else if (pass == 1 && q_len == 1 && !invariant) {
-        for (int64_t h = 0; h < step.num_kv_heads; ++h)
-          items.push_back({int32_t(s), int32_t(h), -1});
+      } else if (pass == 1 && (q_len == 1 || (invariant && q_len > 1))) {
+        for (int64_t i = q_len - 1; i >= 0; --i)
+          for (int64_t h = 0; h < step.num_kv_heads; ++h)
+            items.push_back({int32_t(s), int32_t(h), int32_t(-1 - i)});
       }
     }
   switch (k.element_type()) {

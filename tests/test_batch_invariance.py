@@ -49,8 +49,10 @@ def test_kernel_decode_row_is_its_prefill_row(block_size, group):
     whole = attend(length)
     for q_len in (1, 2, 17):
         np.testing.assert_array_equal(attend(q_len), whole[-q_len:])
-    # Without the flag a decode row takes its two-pass path: the same to rounding only.
-    np.testing.assert_allclose(attend(1, invariant=False), whole[-1:], atol=1e-5)
+    # A decode row is the decode path either way; without the flag a prefill chunk runs
+    # flash attention tiles instead, the same to rounding only.
+    np.testing.assert_array_equal(attend(1, invariant=False), whole[-1:])
+    np.testing.assert_allclose(attend(length, invariant=False), whole, atol=1e-5)
 
 
 def test_rms_norm_of_a_row_does_not_depend_on_the_rows_beside_it():

@@ -97,12 +97,14 @@ def test_narrow_pools_give_the_float32_result_of_their_values(kv_dtype):
         assert_matches(out, expected(q, wide, 1, metadata, **kwargs), metadata, jnp.float32)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["tiles", "invariant"])
 @pytest.mark.parametrize("group", range(1, MAX_GROUP + 1))
-def test_kernel_every_group_size(group):
+def test_kernel_every_group_size(group, invariant):
     """Every group size the kernel specialises, with block sizes whose pages end mid-vector
     (5, 12), head_dims with a tail vector (80 = 10 x 8 floats, 40), sliding windows, decode
     contexts of 1 key up to many pages, and prefill chunks that start at 0 or mid-context,
-    span several 32-query tiles, and end mid-tile."""
+    span several 32-query tiles, and end mid-tile; by prefill tiles and, batch invariant, by
+    the decode path for every query."""
     seqs = [(1, 1), (5, 9), (1, 61), (70, 130), (1, 17), (33, 33), (2, 50)]
     for block_size, head_dim, window in [(5, 80, None), (12, 64, 23), (16, 40, None), (8, 32, 5)]:
         q, cache, metadata = make_case(
@@ -110,7 +112,7 @@ def test_kernel_every_group_size(group):
             num_tokens_padded=120, num_seqs_padded=9,
         )  # fmt: skip
         kwargs = dict(scale=head_dim**-0.5, sliding_window=window)
-        out = paged_attention_cpu(q, cache, 1, metadata, **kwargs)
+        out = paged_attention_cpu(q, cache, 1, metadata, **kwargs, invariant=invariant)
         assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
 
 
@@ -121,8 +123,10 @@ def test_kernel_soft_cap_and_long_prefill():
         11, [(300, 400), (1, 200), (1, 3)], block_size=64, num_kv_heads=3, group=3, head_dim=64
     )
     kwargs = dict(scale=0.125, soft_cap=5.0)
-    out = paged_attention_cpu(q, cache, 1, metadata, **kwargs)
-    assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
+    want = expected(q, cache, 1, metadata, **kwargs)
+    for invariant in (False, True):
+        out = paged_attention_cpu(q, cache, 1, metadata, **kwargs, invariant=invariant)
+        assert_matches(out, want, metadata, jnp.float32)
 
 
 def test_failed_kernel_build_leaves_the_cpu_on_xla(monkeypatch):

@@ -64,12 +64,16 @@ def test_rms_norm_of_a_row_does_not_depend_on_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(norm(x[:rows])), whole[:rows])
 
 
-def sampled_logprobs(llm: LLM, prompts, sampling) -> list[np.ndarray]:
-    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+def logprobs_of(outputs) -> list[np.ndarray]:
+    """Each output's sampled-token logprobs."""
     return [
         np.asarray([entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)])
         for c in (o.outputs[0] for o in outputs)
     ]
+
+
+def sampled_logprobs(llm: LLM, prompts, sampling) -> list[np.ndarray]:
+    return logprobs_of(llm.generate(prompts, sampling, use_tqdm=False))
 
 
 def test_logprobs_are_the_same_however_the_request_is_scheduled(tiny):
@@ -110,7 +114,7 @@ def test_dense_kernels_reproduce_the_engine_logprobs(tiny, name):
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
     kernels = llm.dense_kernels()
     recomputed = np.asarray(token_logprobs_jit(params, config, padded_batch(sequences), kernels))
-    engine = sampled_logprobs(llm, prompts, sampling)
+    engine = logprobs_of(outputs)
     gaps = [
         np.abs(row[len(p) - 1 :][: len(e)] - e)
         for row, p, e in zip(recomputed, prompts, engine, strict=True)

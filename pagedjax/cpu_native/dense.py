@@ -1,8 +1,8 @@
 """The dense training forward (`models/training.py`) on the engine's own C++ kernels, so that
 its logprobs are the batch-invariant engine's bit for bit (`docs/batch_invariance.md`).
 
-A float32 model is chaotic at the last bit: one ulp of change in the embeddings moves
-SmolLM2-135M's logprobs by up to 3e-5, so agreeing "to rounding" means agreeing exactly. The
+A float32 model of many layers magnifies a last-bit difference anywhere into logprob
+differences far above rounding, so agreeing "to rounding" means agreeing exactly. The
 engine's matmul kernel sums each output over k in order whatever the rows, and its attention
 with `invariant` runs every query by its decode path; here the same two kernels run the
 dense forward, the attention over a pool of the same block size built from the dense keys.
@@ -25,21 +25,14 @@ from models.config import ModelConfig
 from models.llama import MATMUL_WEIGHTS, Params
 from models.training import DenseKernels, dense_causal_attention
 from pagedjax.cpu_native.attention import paged_attention_cpu
-from pagedjax.cpu_native.matmul import PANEL, PackedWeight
-
-
-def _panels(w: jax.Array) -> jax.Array:
-    """[K, N] -> [P, K, 24] as `matmul.pack` lays them out, traced (the weights train)."""
-    k, n = w.shape
-    padded = -(-n // PANEL) * PANEL
-    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, padded - n)))
-    return w.reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2)
+from pagedjax.cpu_native.matmul import PackedWeight, panels
 
 
 @jax.custom_vjp
 def kernel_matmul(x: jax.Array, w: jax.Array) -> jax.Array:  # [M, K] @ [K, N] -> [M, N]
     """x @ w by the C++ packed matmul: the engine's product of the same float32 values."""
-    return PackedWeight(_panels(w), w.shape[1]).matmul(x).astype(x.dtype)
+    packed = PackedWeight(panels(w.astype(jnp.float32), jnp), w.shape[1])
+    return packed.matmul(x).astype(x.dtype)
 
 
 def _matmul_fwd(x, w):
@@ -165,7 +158,8 @@ def kernel_attention(
     sliding_window: jax.Array,
 ) -> jax.Array:  # [B * T, heads, D]
     """`models.training.dense_causal_attention` by the engine's batch-invariant C++ attention
-    over pages of `block_size` tokens (its online softmax steps page by page)."""
+    over pages of `block_size` tokens (a sliding window's slices of 8 keys start at its first
+    page's boundary, so the engine's block size)."""
     window = jnp.asarray(sliding_window, jnp.int32)
     return _kernel_attention(config, q, k, v, batch, length, window, block_size)
 

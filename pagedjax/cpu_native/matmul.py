@@ -93,22 +93,20 @@ class PackedLayers:
         return jax.lax.switch(layer, branches, x)
 
 
-def _panels(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], zero past N."""
+def panels(w, xp=np):
+    """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], zero past N. `xp`: numpy
+    at load time, jax.numpy where the weights are traced (the training forward trains them)."""
     k, n = w.shape
-    num_panels, full = -(-n // PANEL), n // PANEL
-    panels = np.zeros((num_panels, k, PANEL), w.dtype)
-    panels[:full] = w[:, : full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2)
-    if full < num_panels:
-        panels[full, :, : n - full * PANEL] = w[:, full * PANEL :]
-    return panels
+    padded = -(-n // PANEL) * PANEL
+    w = xp.pad(w, ((0, 0), (0, padded - n)))
+    return w.reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2)
 
 
 def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
     """[K, N] float32 -> PackedWeight. Laid out with numpy on the host: at load time, eager
     jnp ops per weight would cost a dispatch (and a cached executable) each."""
     w = np.asarray(weight, np.float32)
-    return PackedWeight(jax.device_put(_panels(w)), w.shape[1])
+    return PackedWeight(jax.device_put(panels(w)), w.shape[1])
 
 
 def pack_blocks(
@@ -120,9 +118,9 @@ def pack_blocks(
     if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
         raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
     return QuantizedWeight(
-        jax.device_put(_panels(np.asarray(codes).view(np.uint8))),
-        jax.device_put(_panels(np.asarray(scales, np.float32))),
-        jax.device_put(_panels(np.asarray(offsets, np.float32))),
+        jax.device_put(panels(np.asarray(codes).view(np.uint8))),
+        jax.device_put(panels(np.asarray(scales, np.float32))),
+        jax.device_put(panels(np.asarray(offsets, np.float32))),
         n,
         bits,
     )

@@ -73,8 +73,9 @@ class EngineConfig:
     # scheduling); its tokens from step N are read on the device. Greedy output is unchanged.
     async_scheduling: bool = True
     # Speculative decoding, as vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
-    # "prompt_lookup_max": 4}) or a SpeculativeConfig (`pagedjax/core/spec_decode.py`);
-    # None: none. Greedy output is unchanged; sampled output keeps its distribution.
+    # "prompt_lookup_max": 4}; {"model": draft, "num_speculative_tokens": 4}) or a
+    # SpeculativeConfig (`pagedjax/core/spec_decode.py`); None: none. Greedy output is
+    # unchanged; sampled output keeps its distribution.
     speculative_config: SpeculativeConfig | dict | None = None
     # Devices: tensor_parallel_size of them run each engine replica, the model split over
     # them (Megatron-style, `models/tensor_parallel.py`); data_parallel_size replicas, each
@@ -176,6 +177,17 @@ class EngineConfig:
         check(
             not (self.calculate_kv_scales and self.kv_cache_scales is not None),
             "give calculate_kv_scales or kv_cache_scales, not both",
+        )
+        drafting = self.speculative_config is not None and self.speculative_config.model
+        check(
+            not (drafting and self.tensor_parallel_size > 1),
+            "speculative decoding with a draft model runs on one device per engine: use "
+            'tensor_parallel_size=1 (data_parallel_size replicates), or method "ngram"',
+        )
+        check(
+            not (drafting and scaled),
+            "fp8 KV scales are the target model's: drop kv_cache_scales and "
+            'calculate_kv_scales with a draft model, or use method "ngram"',
         )
         if self.kv_cache_scales is not None:
             from pagedjax.kv_scales import read_kv_scales  # imports JAX: only when needed

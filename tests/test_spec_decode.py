@@ -53,7 +53,7 @@ def test_speculative_config_takes_vllm_dicts_and_names_bad_keys():
         ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
-        ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys \\['model'\\]"),
+        ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "<="),
     ):
         with pytest.raises(ValueError, match=message):

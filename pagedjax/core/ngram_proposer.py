@@ -23,6 +23,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    on_device = False  # its drafts are known when the step is scheduled
+
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
         self.k = num_speculative_tokens
         self.sizes = range(min_n, max_n + 1)

@@ -44,6 +44,9 @@ class ScheduledSequence:
     # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
     prompt_logprob_targets: Sequence[int] = ()
     prompt_logprobs_offset: int = 0
+    # Speculative decoding by a draft model: the last this many of token_ids are drafts the
+    # draft model proposes on the device within the step (their ids here are stand-ins).
+    num_model_drafts: int = 0
 
 
 @dataclass

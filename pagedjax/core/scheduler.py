@@ -14,11 +14,12 @@ n > 1: a parent reserves sequence slots for its n - 1 siblings until it samples 
 token; in that step each sibling samples from the parent's logits too, and then shares the
 parent's blocks (copy-on-write) instead of prefilling the prompt again.
 
-Speculative decoding (`speculative`): a decoding request whose last token is known gets
-draft tokens from the proposer, scheduled after that token with slots of their own (not
-cached: they are guesses); the step's verdict keeps the accepted ones and the target's own
-next token, and gives the slots of the rest back. Such a request waits for its last token
-rather than run a step ahead of it (async scheduling), since its drafts follow that token.
+Speculative decoding (`speculative`): a decoding request gets draft tokens from the proposer,
+scheduled after its last token with slots of their own (not cached: they are guesses); the
+step's verdict keeps the accepted ones and the target's own next token, and gives the slots
+of the rest back. With n-gram proposals such a request waits for its last token rather than
+run a step ahead of it (async scheduling), since its drafts follow that token; a draft model
+proposes on the device, from the token the device already has.
 
 Beam search: a request that holds its samples is not scheduled from each sample until the
 caller releases it (having perhaps replaced the sampled token, and forked the request with
@@ -44,7 +45,7 @@ from pagedjax.core.sched_output import (
     placeholder_token,
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
-from pagedjax.core.spec_decode import SpecDecodeStats, SpeculativeConfig
+from pagedjax.core.spec_decode import DraftModelSlots, SpecDecodeStats, SpeculativeConfig
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
@@ -102,12 +103,15 @@ class Scheduler:
         self.num_prompt_tokens = 0  # of the requests added
         self.speculative = speculative
         self.proposer = None
-        if speculative is not None:
+        if speculative is not None and speculative.method == "draft_model":
+            self.proposer = DraftModelSlots(speculative.num_speculative_tokens)
+        elif speculative is not None:
             self.proposer = NgramProposer(
                 speculative.num_speculative_tokens,
                 speculative.prompt_lookup_min,
                 speculative.prompt_lookup_max,
             )
+        self._drafts_on_device = getattr(self.proposer, "on_device", False)
         self.spec_stats = SpecDecodeStats()
         self._speculating = False  # this step proposes drafts (set per schedule)
 
@@ -261,7 +265,7 @@ class Scheduler:
                 or request.num_drafts_in_flight
                 or (
                     is_placeholder(request.all_token_ids[-1])
-                    and (speculates or self._must_wait(request))
+                    and ((speculates and not self._drafts_on_device) or self._must_wait(request))
                 )
             ):
                 index += 1  # nothing to compute until its sampled token is known
@@ -403,8 +407,12 @@ class Scheduler:
         """A decoding request's last token and its drafts, with a sample row after each: row j
         verifies draft j, the last row samples the token after them all."""
         start = request.num_computed_tokens
-        out.seqs.append(ScheduledSequence(tokens + drafts, start, self.kv.get_block_ids(request)))
-        request.num_drafts_in_flight = k = len(drafts)
+        k = len(drafts)
+        on_device = self._drafts_on_device
+        seq = ScheduledSequence(tokens + drafts, start, self.kv.get_block_ids(request))
+        seq.num_model_drafts = k if on_device else 0
+        out.seqs.append(seq)
+        request.num_drafts_in_flight = k
         out.spec_rows[len(out.rows)] = k
         num_tokens = len(request.all_token_ids)
         for j in range(k + 1):
@@ -418,7 +426,7 @@ class Scheduler:
                     _min_tokens_bias(request, request.num_output_tokens + j),
                     num_tokens=num_tokens + j,
                     offset=k - j,
-                    draft_token=drafts[j] if j < k else -1,
+                    draft_token=drafts[j] if j < k and not on_device else -1,
                 )
             )
             out.row_requests.append(request)

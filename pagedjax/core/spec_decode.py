@@ -1,7 +1,9 @@
 """Speculative decoding's options and counters (vLLM's `speculative_config`).
 
-A proposer guesses a running sequence's next `num_speculative_tokens` tokens; the scheduler
-schedules them after its last token, and one step of the target model verifies them all
+A proposer guesses a running sequence's next `num_speculative_tokens` tokens: n-gram lookup on
+the host (`ngram_proposer.py`), or a draft model on the device within the step
+(`pagedjax/worker/draft_model.py`). The scheduler schedules them after the sequence's last
+token, and one step of the target model verifies them all
 (`pagedjax/sampler.py`: greedy rows accept a draft equal to their argmax, sampled rows by
 rejection sampling, so the output keeps the target distribution). The accepted prefix and one
 token of the target's own are kept; the slots of rejected drafts are given back.
@@ -12,18 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method "ngram" (prompt lookup): the longest suffix of the sequence, of
     prompt_lookup_min to prompt_lookup_max tokens, that occurred before proposes the tokens that
-    followed its latest occurrence. disable_by_batch_size: no speculation while more requests
-    than that are unfinished (spare compute runs out in large batches)."""
+    followed its latest occurrence. method "draft_model" (the default when `model` is given):
+    the checkpoint at `model`, whose tokenizer must be the target's, proposes its greedy
+    continuation; `num_hidden_layers` keeps only its first layers (the target's own path
+    with a few layers is a draft that needs no second checkpoint). disable_by_batch_size: no
+    speculation while more requests than that are unfinished (spare compute runs out in large
+    batches)."""
 
     num_speculative_tokens: int
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
+    num_hidden_layers: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
@@ -33,7 +41,18 @@ class SpeculativeConfig:
             if not ok:
                 raise ValueError(f"speculative_config: {message}")
 
+        if self.method is None:  # as vLLM: a draft model when one is named
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}: {self.method!r}")
+        check(
+            (self.model is not None) == (self.method == "draft_model"),
+            'method "draft_model" needs a model (the draft checkpoint) and only it takes one',
+        )
+        check(
+            self.num_hidden_layers is None
+            or (isinstance(self.num_hidden_layers, int) and self.num_hidden_layers >= 1),
+            f"num_hidden_layers must be None or an int >= 1, got {self.num_hidden_layers!r}",
+        )
         check(
             isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
             f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}",
@@ -71,6 +90,20 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**value)
+
+
+class DraftModelSlots:
+    """The scheduler's proposer for a draft model: how many drafts a sequence gets, with
+    stand-in ids; the draft model proposes their values on the device within the step, so the
+    sequence's last token need not be known on the host yet (async scheduling)."""
+
+    on_device = True
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+
+    def propose(self, request: object, limit: int) -> list[int]:
+        return [0] * max(0, min(self.k, limit))
 
 
 @dataclass

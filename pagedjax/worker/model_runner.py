@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -51,6 +51,14 @@ from pagedjax.sampler import (
     sample,
 )
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.draft_model import (
+    ChainInputs,
+    DraftModel,
+    chain_inputs,
+    draft_chain,
+    join_drafts,
+    verified_drafts,
+)
 from pagedjax.worker.host_kv import HostKV
 
 logger = logging.getLogger(__name__)
@@ -223,10 +231,12 @@ class ModelRunner:
         tp: TensorParallel | None = None,
         device: jax.Device | None = None,
         num_host_blocks: int = 0,
+        draft: DraftModel | None = None,
     ):
         """tp: run split over its group (params placed by it); device: the one device of
         an engine that is not the default device's (a data-parallel replica's);
-        num_host_blocks: the host tier's blocks (swapping), 0 for none."""
+        num_host_blocks: the host tier's blocks (swapping), 0 for none; draft: speculative
+        decoding's draft model (`draft_model.py`), whose pool gets the same blocks."""
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
         self.kv_spec, self.tp = kv_spec, tp
@@ -238,11 +248,16 @@ class ModelRunner:
         elif device is not None:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(device)
         self.kv_cache = self._allocate(num_blocks)
+        self.draft = draft
+        self.draft_cache = self._allocate(num_blocks, draft.kv_spec) if draft else None
         self.host_kv: HostKV | None = None
+        self.draft_host_kv: HostKV | None = None
         if num_host_blocks:
             sharding = self._pool_sharding
             sharding = sharding.k if isinstance(sharding, KVCache) else sharding
             self.host_kv = HostKV(kv_spec, num_host_blocks, block_size, sharding)
+            if draft is not None:
+                self.draft_host_kv = HostKV(draft.kv_spec, num_host_blocks, block_size, sharding)
         self.kv_scales: tuple[np.ndarray, np.ndarray] | None = None  # None: the pool's own
         spec = config.speculative_config
         drafted_step = (1 + spec.num_speculative_tokens,) if spec is not None else ()
@@ -271,10 +286,23 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
         self._no_previous = self._place(jnp.zeros(max_seqs, jnp.int32))
+        # With a draft model, placeholders name the previous step's samples, then the drafts:
+        # [max_seqs + max_seqs * k], the shape of every step's `previous`.
+        self.drafts_size = max_seqs * draft.num_speculative_tokens if draft else 0
+        self._no_previous_or_drafts = self._no_previous
+        self.chain_buckets: list[int] = []  # the chain's padded sequence counts
+        if draft is not None:
+            self._no_previous_or_drafts = join_drafts(self._no_previous, None, self.drafts_size)
+            # A drafted sequence has 2 tokens at least; speculation stops above the batch size.
+            most = min(config.max_num_seqs, max(1, config.max_num_batched_tokens // 2))
+            if spec.disable_by_batch_size is not None:
+                most = min(most, spec.disable_by_batch_size)
+            self.chain_buckets = [1 << i for i in range(next_power_of_2(most).bit_length())]
 
-    def _allocate(self, num_blocks: int) -> KVCache:
-        """A zeroed pool, created where it lives (split by KV head under tensor parallelism)."""
-        allocate = partial(allocate_kv_cache, self.kv_spec, num_blocks, self.block_size)
+    def _allocate(self, num_blocks: int, spec: KVCacheSpec | None = None) -> KVCache:
+        """A zeroed pool (the target's, or `spec`'s), created where it lives (split by KV head
+        under tensor parallelism)."""
+        allocate = partial(allocate_kv_cache, spec or self.kv_spec, num_blocks, self.block_size)
         if self._pool_sharding is None:
             return allocate()
         return jax.jit(allocate, out_shardings=self._pool_sharding)()
@@ -300,8 +328,8 @@ class ModelRunner:
         previous,
         decode_only: bool | None = None,
     ):
-        cached = _forward_step._cache_size()  # the shared step's compiled shapes so far
-        out = _forward_step(
+        return self._compiled(
+            _forward_step,
             params,
             token_ids,
             sources,
@@ -316,14 +344,77 @@ class ModelRunner:
             decode_only=decode_only,
             tp=self.tp,
         )
-        self.num_compilations += _forward_step._cache_size() - cached
+
+    def _compiled(self, function, *args, **kwargs):
+        """function(*args, **kwargs), a shared jitted step, counting what it compiles."""
+        cached = function._cache_size()  # its compiled shapes so far
+        out = function(*args, **kwargs)
+        self.num_compilations += function._cache_size() - cached
         return out
+
+    def _draft_fill(self, tokens, positions, metadata, copies, sources, previous, decode_only):
+        """The draft's forward over the step's tokens (drafts in place): its KV, into the
+        same slots as the target's (the one logits row is not used)."""
+        draft = self.draft
+        if not draft.attention.has_decode_kernel:
+            decode_only = None
+        _, self.draft_cache = self._compiled(
+            _forward_step,
+            draft.params,
+            tokens,
+            sources,
+            previous,
+            positions,
+            self.draft_cache,
+            metadata,
+            np.zeros(1, np.int32),
+            copies,
+            config=draft.config,
+            attention_fn=draft.attention,
+            decode_only=decode_only,
+        )
+
+    def _draft_chain(self, drafted, tokens, sources, metadata, previous) -> jax.Array | None:
+        """The drafts [R, k] of the step's `drafted` sequences (see `prepare`), or None."""
+        if not drafted:
+            return None
+        k = self.draft.num_speculative_tokens
+        inputs = chain_inputs(
+            drafted,
+            tokens,
+            sources,
+            np.asarray(metadata.slot_mapping),
+            np.asarray(metadata.block_tables),
+            k,
+            self._bucket_chain(len(drafted)),
+        )
+        return self._run_chain(inputs, previous)
+
+    def _run_chain(self, inputs: ChainInputs, previous: jax.Array) -> jax.Array:
+        draft = self.draft
+        drafts, self.draft_cache = self._compiled(
+            draft_chain,
+            draft.params,
+            self.draft_cache,
+            inputs,
+            previous,
+            config=draft.config,
+            attention_fn=draft.attention,
+            decode_only=True if draft.attention.has_decode_kernel else None,
+            vocab_size=draft.vocab_size,
+        )
+        return drafts
 
     def _bucket_tokens(self, num_tokens: int) -> int:
         for bucket in self.token_buckets:
             if num_tokens <= bucket:
                 return bucket
         raise ValueError(f"{num_tokens} tokens exceed the step budget {self.token_buckets[-1]}")
+
+    def _bucket_chain(self, num_drafted: int) -> int:
+        return next(
+            (b for b in self.chain_buckets if num_drafted <= b), next_power_of_2(num_drafted)
+        )
 
     def _bucket_width(self, num_blocks: int) -> int:
         return next(w for w in self.width_buckets if num_blocks <= w)
@@ -351,9 +442,12 @@ class ModelRunner:
         block_copies: Sequence[tuple[int, int]],
         rows_for_every_token: bool = False,
     ) -> tuple:
-        """Fills the host buffers for a step; returns the forward's array arguments and the
+        """Fills the host buffers for a step; returns the forward's array arguments, the
         padded number of logits rows (at least the padded tokens with `rows_for_every_token`:
-        prompt logprobs then cost one forward shape per token bucket, not one per row count)."""
+        prompt logprobs then cost one forward shape per token bucket, not one per row count),
+        and the sequences with model drafts: (index, its last token's index in the step, that
+        token's position, its number of drafts m). Their drafts' stand-ins become
+        placeholders naming the drafts, after the previous step's samples."""
         num_tokens = sum(len(s.token_ids) for s in seqs)
         t_pad = self._bucket_tokens(num_tokens)
         s_pad = min(t_pad, self.max_seqs_bucket)
@@ -390,6 +484,17 @@ class ModelRunner:
             ends.append(end)
             lens.append(computed + q_len)
         tokens[:num_tokens] = step_tokens
+        drafted = []
+        if self.draft is not None:
+            k, start = self.draft.num_speculative_tokens, 0
+            for i, seq in enumerate(seqs):
+                m = seq.num_model_drafts
+                if m:
+                    last = start + len(seq.token_ids) - 1 - m
+                    base = self.max_seqs_bucket + len(drafted) * k
+                    tokens[last + 1 : last + 1 + m] = -1 - np.arange(base, base + m)
+                    drafted.append((i, last, seq.num_computed_tokens + last - start, m))
+                start += len(seq.token_ids)
         # Placeholders (negative ids) name the previous step's sample rows: the forward reads
         # those tokens on the device (async scheduling).
         sources = np.where(tokens < 0, -1 - tokens, -1).astype(np.int32)
@@ -417,7 +522,7 @@ class ModelRunner:
             num_tokens=np.int32(num_tokens),
         )
         r_pad = max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
-        return tokens.copy(), positions.copy(), metadata, r_pad, copies, sources
+        return tokens.copy(), positions.copy(), metadata, r_pad, copies, sources, drafted
 
     def execute(
         self,
@@ -450,6 +555,9 @@ class ModelRunner:
             # Out first: a block swapped in may be one a victim of this step just left.
             self.host_kv.copy_out(self.kv_cache, swaps_out)
             self.kv_cache = self.host_kv.copy_in(self.kv_cache, swaps_in)
+            if self.draft_host_kv is not None:
+                self.draft_host_kv.copy_out(self.draft_cache, swaps_out)
+                self.draft_cache = self.draft_host_kv.copy_in(self.draft_cache, swaps_in)
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
         ends = np.cumsum([len(s.token_ids) for s in seqs])
@@ -461,7 +569,7 @@ class ModelRunner:
                 prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
                 targets += seq.prompt_logprob_targets
         num_rows = len(rows) + len(prompt_rows)
-        tokens, positions, metadata, r_pad, copies, sources = self.prepare(
+        tokens, positions, metadata, r_pad, copies, sources, drafted = self.prepare(
             seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows)
         )
         logits_rows = np.zeros(r_pad, np.int32)
@@ -470,6 +578,12 @@ class ModelRunner:
             sampled = _fixed_rows(previous.token_ids, self.max_seqs_bucket)
         else:
             sampled = self._no_previous
+        decode_only = self._decode_only(seqs)
+        drafts = None
+        if self.draft is not None:
+            drafts = self._draft_chain(drafted, tokens, sources, metadata, sampled)
+            sampled = join_drafts(sampled, drafts, self.drafts_size)
+            self._draft_fill(tokens, positions, metadata, copies, sources, sampled, decode_only)
         logits, self.kv_cache = self._forward(
             self.params,
             tokens,
@@ -480,7 +594,7 @@ class ModelRunner:
             copies,
             sources,
             sampled,
-            decode_only=self._decode_only(seqs),
+            decode_only=decode_only,
         )
         prompt = None
         if prompt_rows:
@@ -500,8 +614,8 @@ class ModelRunner:
         # Built while the forward runs on the device.
         token_mask = self.masks.fill(constraints, r_pad)
         params = [r.params for r in rows]
-        drafts = [r.draft_token for r in rows]
-        drafts = drafts if any(d >= 0 for d in drafts) else None
+        draft_ids = [r.draft_token for r in rows]
+        draft_ids = draft_ids if any(d >= 0 for d in draft_ids) or drafted else None
         meta = build_sampling_metadata(
             params,
             [r.token_ids for r in rows],
@@ -512,8 +626,10 @@ class ModelRunner:
             history_width=self.max_blocks_per_seq * self.block_size,
             num_tokens=[r.num_tokens for r in rows],
             token_mask=token_mask,
-            draft_token_ids=drafts,
+            draft_token_ids=draft_ids,
         )
+        if drafted:
+            meta = replace(meta, draft_token_ids=self._verified(drafts, drafted, rows, r_pad))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
         out: SamplerOutput = sample(
@@ -535,6 +651,19 @@ class ModelRunner:
             out.accepted,
         )
 
+    def _verified(self, drafts: jax.Array, drafted: list, rows, r_pad: int) -> jax.Array:
+        """[r_pad] the model draft each sample row verifies (-1: none): row j of a drafted
+        sequence (offset m - j) verifies its draft j < m."""
+        k = self.draft.num_speculative_tokens
+        ordinal = {seq: d for d, (seq, *_, m) in enumerate(drafted)}
+        counts = {seq: m for seq, *_, m in drafted}
+        index = np.full(r_pad, -1, np.int32)
+        for r, row in enumerate(rows):
+            d = ordinal.get(row.seq_index)
+            if d is not None and row.offset >= 1:
+                index[r] = d * k + counts[row.seq_index] - row.offset
+        return verified_drafts(drafts, index)
+
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come
         back from the device (this step's one extra wait), and go back changed."""
@@ -554,8 +683,11 @@ class ModelRunner:
         return _set_rows(logits, index, values, len(which))
 
     def reset_kv_cache(self) -> None:
-        """A fresh, zeroed pool, when a failed step left the donated one unusable."""
+        """A fresh, zeroed pool (and draft pool), when a failed step left the donated one
+        unusable."""
         self.kv_cache = self._allocate(self.kv_cache.num_blocks)
+        if self.draft is not None:
+            self.draft_cache = self._allocate(self.kv_cache.num_blocks, self.draft.kv_spec)
         if self.kv_scales is not None:
             self.kv_cache = self._with_scales(*self.kv_scales)
 
@@ -570,7 +702,8 @@ class ModelRunner:
         return cache if self._pool_sharding is None else jax.device_put(cache, self._pool_sharding)
 
     def kv_cache_lost(self) -> bool:
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
+        pools = (self.kv_cache, self.draft_cache)
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(pools))
 
     def _padding_step(self, t_pad: int, width: int) -> tuple:
         """The forward's arguments for a step of only padding at bucket t_pad and width: it
@@ -594,7 +727,7 @@ class ModelRunner:
             np.zeros(s_pad, np.int32),
             np.zeros((0, 2), np.int32),
             np.full(t_pad, -1, np.int32),
-            self._no_previous,
+            self._no_previous_or_drafts,
         )
 
     def lower_step(self, num_tokens: int, **lowering) -> jax.stages.Lowered:
@@ -622,6 +755,15 @@ class ModelRunner:
         )
         return traced.lower(**lowering)
 
+    def _warm_chains(self, width: int) -> None:
+        """Compiles the draft chain at every bucket of drafted sequences, at `width`."""
+        none, tables = np.zeros(0, np.int32), np.zeros((0, width), np.int32)
+        for bucket in self.chain_buckets:
+            k = self.draft.num_speculative_tokens
+            self._run_chain(
+                chain_inputs([], none, none, none, tables, k, bucket), self._no_previous
+            )
+
     def warmup(self, probe: bool = False) -> float:
         """Compiles the forward for every token and width bucket (and decode_only variant a
         step of the bucket can take), and the greedy sampler for every row bucket; returns the
@@ -635,9 +777,14 @@ class ModelRunner:
             s_pad = min(t_pad, self.max_seqs_bucket)
             for width in self.width_buckets[:1] if probe else self.width_buckets:
                 for decode_only in self._step_variants(t_pad):
-                    logits, self.kv_cache = self._forward(
-                        *self._padding_step(t_pad, width), decode_only=decode_only
-                    )
+                    step = self._padding_step(t_pad, width)
+                    logits, self.kv_cache = self._forward(*step, decode_only=decode_only)
+                    if self.draft is not None:
+                        _, tokens, positions, _, metadata, _, copies, sources, previous = step
+                        fill = (tokens, positions, metadata, copies, sources, previous)
+                        self._draft_fill(*fill, decode_only)
+                if self.draft is not None and t_pad == token_buckets[-1]:
+                    self._warm_chains(width)
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
             sample(

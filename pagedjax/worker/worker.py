@@ -37,6 +37,7 @@ from pagedjax.core.sched_output import SchedulerOutput
 from pagedjax.distributed import StepChannel
 from pagedjax.kv_scales import calibrate_kv_scales, calibration_prompts, describe, load_kv_scales
 from pagedjax.platforms import Platform
+from pagedjax.worker.draft_model import DraftModel, load_draft_model
 from pagedjax.worker.model_runner import ModelRunner, StepHandle, activation_bytes
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Worker:
             kv_dtype.name,
             config.block_size,
         )
+        self.draft = self._load_draft(dtype, kv_dtype)
         self.num_host_blocks = self._host_blocks()
         backends = platform.attention_backends(config.attention_backend, self.attention_spec)
         if config.batch_invariant:
@@ -161,6 +163,32 @@ class Worker:
             self.runner.set_kv_scales(*kv_scales)
             how = "calibrated" if config.calculate_kv_scales else "given"
             logger.info("fp8 KV scales (%s): %s", how, describe(*kv_scales))
+
+    def _load_draft(self, dtype: jnp.dtype, kv_dtype: jnp.dtype) -> DraftModel | None:
+        """Speculative decoding's draft model, if the config names one (on one device:
+        EngineConfig refuses a split)."""
+        config = self.config
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_draft_model(
+            spec,
+            self.model_config,
+            self.platform,
+            dtype,
+            kv_dtype,
+            config.block_size,
+            config.attention_backend,
+            config.batch_invariant,
+        )
+
+    def bytes_per_block(self) -> int:
+        """One device's KV bytes per block: the target's pool, and the draft's beside it."""
+        block_size = self.config.block_size
+        total = self.device_kv_spec.bytes_per_block(block_size)
+        if self.draft is not None:
+            total += self.draft.kv_spec.bytes_per_block(block_size)
+        return total
 
     def _host_blocks(self) -> int:
         """The host tier's blocks for swap_space (of the whole pool's heads); ValueError for
@@ -175,7 +203,8 @@ class Worker:
                 f"swap_space={config.swap_space} GiB is more than this machine's "
                 f"{machine / 2**30:.1f} GiB of memory: lower swap_space (0 turns swapping off)"
             )
-        return swap_bytes // self.kv_spec.bytes_per_block(config.block_size)
+        block_bytes = self.bytes_per_block() * config.tensor_parallel_size  # every head
+        return swap_bytes // block_bytes
 
     def _place_params(self, params: Params) -> Params:
         """Weights (pagedjax layout) as the step runs them: in the platform's layout on this
@@ -237,7 +266,7 @@ class Worker:
             shardings = jax.tree.map(lambda a: a.sharding, self.params)
             self._host_weights = (jax.device_get(self.params), shardings)
         self._delete(self.params)
-        self._delete(self.runner.kv_cache)
+        self._delete((self.runner.kv_cache, self.runner.draft_cache))  # a draft's weights stay
         self.is_sleeping, self.has_weights = True, False
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -282,6 +311,7 @@ class Worker:
                     tp=self.tp,
                     device=self.devices[0] if self._placed and self.tp is None else None,
                     num_host_blocks=self.num_host_blocks,
+                    draft=self.draft,
                 )
                 if self.platform.probes_attention:
                     self._probe()
@@ -363,7 +393,7 @@ class Worker:
                     config, self._activation_peak, self.model_config.vocab_size, self.devices[0]
                 )
             # The budget is one device's: each holds its KV heads' part of every block.
-            num_blocks = self.device_kv_spec.num_blocks_for_budget(budget, config.block_size)
+            num_blocks = budget // self.bytes_per_block()
         usable, block_size = num_blocks - 1, config.block_size  # block 0 is the null block
         tokens = usable * block_size
         logger.info(
@@ -408,7 +438,9 @@ class Worker:
         """Device memory held by the weights and the KV pool: per device (the most any of
         this engine's devices holds) and in total over its devices."""
         if self._memory is None:  # fixed once the pool is allocated
-            self._memory = local_bytes(self.params), local_bytes(self.runner.kv_cache)
+            runner, draft = self.runner, self.draft
+            weights = (self.params, draft.params if draft else None)
+            self._memory = local_bytes(weights), local_bytes((runner.kv_cache, runner.draft_cache))
         weights, pool = self._memory
         return {
             "num_devices": len(self.devices),

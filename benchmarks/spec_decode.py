@@ -1,11 +1,13 @@
-"""Speculative decoding (n-gram prompt lookup) at batch 1: one user's tokens/s with and without
-it, on a workload that copies from its prompt and on W1 chat, in one run on one engine's
-weights. Greedy: the tokens must be identical, and the script checks it.
+"""Speculative decoding at batch 1: one user's tokens/s with and without it (n-gram prompt
+lookup, and a draft model made of the default model's first layers), on a workload that copies
+from its prompt and on W1 chat, in one run. Greedy: the tokens must be identical, and the
+script checks it.
 
     python benchmarks/spec_decode.py [--requests 4] [--tokens 128] [--k 4] [--repeats 2]
+        [--draft-layers 8 15]
 
-Reports, per workload, the median ms per output token of each request with and without
-speculation, their ratio, the acceptance rate and the tokens a drafted step emits.
+Reports, per workload and method, the median ms per output token of each request, its ratio to
+no speculation, the acceptance rate and the tokens a drafted step emits.
 """
 
 from __future__ import annotations
@@ -62,8 +64,16 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (median)")
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="draft models: the default model's first N layers (none: n-gram only)",
+    )
     args = parser.parse_args()
 
+    from models.gguf_loader import default_model_path
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
@@ -77,6 +87,13 @@ def main() -> None:
         "off": LLM(max_model_len=1024),
         "ngram": LLM(max_model_len=1024, speculative_config=spec),
     }
+    for layers in args.draft_layers:
+        draft = {
+            "model": str(default_model_path()),
+            "num_speculative_tokens": args.k,
+            "num_hidden_layers": layers,
+        }
+        engines[f"draft{layers}"] = LLM(max_model_len=1024, speculative_config=draft)
     tokenizer = engines["off"].get_tokenizer()
     workloads = {
         "copy": (copy_prompts(tokenizer, args.requests), False),
@@ -89,25 +106,26 @@ def main() -> None:
             time_requests(llm, prompts[:1], greedy)  # compiles the sampler's variants
         ms = {key: [] for key in engines}
         outputs = {}
-        before = engines["ngram"].llm_engine.stats()
+        before = {key: llm.llm_engine.stats() for key, llm in engines.items()}
         for _ in range(args.repeats):
-            for key, llm in engines.items():  # interleaved: the same machine state for both
+            for key, llm in engines.items():  # interleaved: the same machine state for all
                 outputs[key], times = time_requests(llm, prompts, greedy)
                 ms[key] += times
-        after = engines["ngram"].llm_engine.stats()
-        drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-        proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        accepted = (
-            after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-        )
-        off, on = statistics.median(ms["off"]), statistics.median(ms["ngram"])
-        result[f"{name}_identical_tokens"] = outputs["off"] == outputs["ngram"]
+        off = statistics.median(ms["off"])
         result[f"{name}_ms_per_token_off"] = off
-        result[f"{name}_ms_per_token_ngram"] = on
-        result[f"{name}_speedup"] = off / on
-        result[f"{name}_acceptance_rate"] = accepted / max(proposed, 1)
-        result[f"{name}_tokens_per_drafted_step"] = 1 + accepted / max(drafts, 1)
         result[f"{name}_output_tokens"] = sum(len(t) for t in outputs["off"])
+        for key in list(engines)[1:]:
+            after, start = engines[key].llm_engine.stats(), before[key]
+            drafts, proposed, accepted = (
+                after[f"spec_decode_num_{s}"] - start[f"spec_decode_num_{s}"]
+                for s in ("drafts", "draft_tokens", "accepted_tokens")
+            )
+            on = statistics.median(ms[key])
+            result[f"{name}_{key}_identical_tokens"] = outputs["off"] == outputs[key]
+            result[f"{name}_{key}_ms_per_token"] = on
+            result[f"{name}_{key}_speedup"] = off / on
+            result[f"{name}_{key}_acceptance_rate"] = accepted / max(proposed, 1)
+            result[f"{name}_{key}_tokens_per_drafted_step"] = 1 + accepted / max(drafts, 1)
     report("spec_decode", result)
 
 

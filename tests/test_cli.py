@@ -48,7 +48,9 @@ def test_generate_takes_a_speculative_config_as_json(tiny_model_dir, capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
     assert cli.main([*argv, "--speculative-config", spec]) == 0
     assert capsys.readouterr().out.strip()
-    with pytest.raises(SystemExit, match="speculative_config: unknown keys \\['model'\\]"):
+    with pytest.raises(SystemExit, match="speculative_config: unknown keys \\['eagle'\\]"):
+        cli.main([*argv, "--speculative-config", '{"num_speculative_tokens": 2, "eagle": 1}'])
+    with pytest.raises(SystemExit, match="speculative_config: the draft model 'x' does not"):
         cli.main([*argv, "--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'])
     with pytest.raises(SystemExit):
         cli.main([*argv, "--speculative-config", "ngram"])  # not JSON: argparse's error

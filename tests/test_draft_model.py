@@ -196,6 +196,7 @@ def test_bad_draft_configs_are_refused_before_anything_loads(tiny):
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
         ({"method": "ngram", "model": path, "num_speculative_tokens": 2}, "needs a model"),
         ({"model": path, "num_speculative_tokens": 2, "num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"model": "/no/such/model", "num_speculative_tokens": 2}, "does not exist"),
     ):
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=bad)
@@ -206,3 +207,25 @@ def test_bad_draft_configs_are_refused_before_anything_loads(tiny):
         EngineConfig(speculative_config=spec, kv_cache_dtype="fp8", calculate_kv_scales=True)
     with pytest.raises(ValueError, match="has 3 layers"):
         make_engine(tiny, speculative_config={**spec, "num_hidden_layers": 4})
+    with pytest.raises(ValueError, match="the draft model: no model found"):
+        make_engine(tiny, speculative_config={**spec, "model": str(tiny("llama")[0].parent)})
+
+
+def test_new_weights_reach_a_draft_of_the_targets_own_layers(tiny):
+    """update_weights (an RL trainer's new policy): a draft that is the target's checkpoint
+    takes its layers of the new weights, so it keeps proposing the target's tokens."""
+    import jax
+
+    _, _, _, params = tiny("llama")
+    new = jax.tree.map(lambda a: a * 1.05 if a.ndim == 3 else a, params)
+    fresh = make_engine(tiny, block_size=8)
+    fresh.update_weights(new)
+    want = tokens_of(run(fresh, PROMPTS[:3], GREEDY))
+    engine = make_engine(tiny, block_size=8, speculative_config=draft_config(tiny))
+    run(engine, PROMPTS[:1], GREEDY)
+    engine.update_weights(new)
+    before = engine.stats()["spec_decode_num_draft_tokens"]
+    assert tokens_of(run(engine, PROMPTS[:3], GREEDY)) == want
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > before
+    assert stats["spec_decode_acceptance_rate"] == 1.0

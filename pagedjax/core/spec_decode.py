@@ -12,6 +12,7 @@ token of the target's own are kept; the slots of rejected drafts are given back.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -47,6 +48,11 @@ class SpeculativeConfig:
         check(
             (self.model is not None) == (self.method == "draft_model"),
             'method "draft_model" needs a model (the draft checkpoint) and only it takes one',
+        )
+        check(
+            self.model is None or Path(self.model).expanduser().exists(),
+            f"the draft model {self.model!r} does not exist: give a Hugging Face model directory "
+            "or a .gguf file with the target's tokenizer",
         )
         check(
             self.num_hidden_layers is None

@@ -31,8 +31,9 @@ from kernels_pallas.backend import AttentionBackend, AttentionSpec
 from kernels_pallas.kv_cache import PAD_SLOT
 from kernels_pallas.metadata import AttentionMetadata
 from models.config import ModelConfig
+from models.errors import ModelLoadError
 from models.llama import Params, forward_logits
-from models.loader import load_model
+from models.loader import load_model, resolve_model_path
 from pagedjax.core.memory import KVCacheSpec
 from pagedjax.core.spec_decode import SpeculativeConfig
 from pagedjax.platforms import Platform
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DraftModel:
-    """The draft's weights (in the platform's layout), attention and KV pool shape."""
+    """The draft's weights (the worker places them), attention and KV pool shape."""
 
     config: ModelConfig
     params: Params
@@ -50,11 +51,23 @@ class DraftModel:
     kv_spec: KVCacheSpec
     num_speculative_tokens: int
     vocab_size: int  # the target's: drafts are tokens the target can sample
+    # The draft is the target's checkpoint (its first layers): new target weights are its too.
+    follows_target: bool = False
+
+    def weights_from_target(self, params: Params) -> Params:
+        """The draft's weights out of the target's (pagedjax layout)."""
+        return first_layers(params, self.config.num_layers)
+
+
+def first_layers(params: Params, num_layers: int) -> Params:
+    """A model's params with only its first `num_layers` layers (stacked on axis 0)."""
+    return {**params, "layers": jax.tree.map(lambda a: a[:num_layers], params["layers"])}
 
 
 def load_draft_model(
     spec: SpeculativeConfig,
     target: ModelConfig,
+    target_path: str | None,
     platform: Platform,
     dtype: jnp.dtype,
     kv_dtype: jnp.dtype,
@@ -66,7 +79,10 @@ def load_draft_model(
     beside `target`; ValueError if it cannot be a draft (longer context needed, too few
     layers)."""
     keep_blocks = platform.keeps_quantized_weights(dtype)
-    config, params = load_model(spec.model, dtype, keep_blocks=keep_blocks)
+    try:
+        config, params = load_model(spec.model, dtype, keep_blocks=keep_blocks)
+    except ModelLoadError as error:
+        raise ValueError(f"speculative_config: the draft model: {error}") from error
     layers = spec.num_hidden_layers
     if layers is not None:
         if layers > config.num_layers:
@@ -76,7 +92,7 @@ def load_draft_model(
             )
         windows = config.sliding_windows[:layers] if config.sliding_windows else ()
         config = replace(config, num_layers=layers, sliding_windows=windows)
-        params = {**params, "layers": jax.tree.map(lambda a: a[:layers], params["layers"])}
+        params = first_layers(params, layers)
     if config.vocab_size < target.vocab_size:
         logger.warning(
             "the draft model's vocabulary (%d) is smaller than the target's (%d): check that "
@@ -100,12 +116,21 @@ def load_draft_model(
     )
     return DraftModel(
         config,
-        platform.prepare_params(params, dtype),
+        params,
         attention,
         kv_spec,
         spec.num_speculative_tokens,
         target.vocab_size,
+        _same_files(spec.model, target_path),
     )
+
+
+def _same_files(a: str | None, b: str | None) -> bool:
+    """Whether two model paths (None: the default model) name the same checkpoint."""
+    try:
+        return resolve_model_path(a).path.resolve() == resolve_model_path(b).path.resolve()
+    except ModelLoadError:
+        return False
 
 
 @jax.tree_util.register_dataclass

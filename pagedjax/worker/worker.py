@@ -171,9 +171,10 @@ class Worker:
         spec = config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        return load_draft_model(
+        draft = load_draft_model(
             spec,
             self.model_config,
+            config.model,
             self.platform,
             dtype,
             kv_dtype,
@@ -181,6 +182,8 @@ class Worker:
             config.attention_backend,
             config.batch_invariant,
         )
+        draft.params = self._place_params(draft.params)
+        return draft
 
     def bytes_per_block(self) -> int:
         """One device's KV bytes per block: the target's pool, and the draft's beside it."""
@@ -240,10 +243,15 @@ class Worker:
         """Replaces the weights by `params` (pagedjax layout, float, shapes checked by the
         caller), prepared and placed as at start-up. Weights of the types the engine runs
         already compile nothing new; float weights replacing block codes (a GGUF's) compile
-        the step once more."""
+        the step once more. A draft model that is the target's checkpoint gets its layers of
+        the new weights too."""
         placed = self._place_params(self._own(params))
         self._delete(self.params)
         self.params = self.runner.params = placed
+        draft = self.draft
+        if draft is not None and draft.follows_target:  # the draft is the target's first layers
+            self._delete(draft.params)
+            draft.params = self._place_params(self._own(draft.weights_from_target(params)))
         self.has_weights = True
         self._memory = None  # the weights' bytes may differ (block codes replaced)
         self._host_weights = None  # a sleeping engine's copy of the old ones is moot

@@ -4,7 +4,7 @@ from its prompt and on W1 chat, in one run. Greedy: the tokens must be identical
 script checks it.
 
     python benchmarks/spec_decode.py [--requests 4] [--tokens 128] [--k 4] [--repeats 2]
-        [--draft-layers 8 15]
+        [--draft-layers 8 15] [--float32-target]
 
 Reports, per workload and method, the median ms per output token of each request, its ratio to
 no speculation, the acceptance rate and the tokens a drafted step emits.
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -71,6 +74,12 @@ def main() -> None:
         default=[8],
         help="draft models: the default model's first N layers (none: n-gram only)",
     )
+    parser.add_argument(
+        "--float32-target",
+        action="store_true",
+        help="every target runs the default model's float32 weights (not its Q4_1 codes), "
+        "and a draft of the Q4_1 model itself is added: a draft 3-4x cheaper than its target",
+    )
     args = parser.parse_args()
 
     from models.gguf_loader import default_model_path
@@ -94,6 +103,19 @@ def main() -> None:
             "num_hidden_layers": layers,
         }
         engines[f"draft{layers}"] = LLM(max_model_len=1024, speculative_config=draft)
+    if args.float32_target:
+        import jax.numpy as jnp
+
+        from models.loader import load_model
+
+        # A copy of the file: a draft of the target's own checkpoint would take its new weights.
+        copy = Path(tempfile.mkdtemp()) / "draft.gguf"
+        shutil.copyfile(default_model_path(), copy)
+        draft = {"model": str(copy), "num_speculative_tokens": args.k}
+        engines["q4draft"] = LLM(max_model_len=1024, speculative_config=draft)
+        weights = load_model(None, jnp.float32)[1]
+        for llm in engines.values():
+            llm.update_weights(weights)
     tokenizer = engines["off"].get_tokenizer()
     workloads = {
         "copy": (copy_prompts(tokenizer, args.requests), False),

@@ -139,6 +139,30 @@ def layout_case(model_dir: str, tp: int) -> dict:
     }
 
 
+def draft_case(model_dir: str) -> dict:
+    """Two data-parallel replicas, each drafting with the target itself on its own device."""
+    from pagedjax import LLM
+
+    spec = {"model": model_dir, "num_speculative_tokens": 3}
+    llm = LLM(model_dir, data_parallel_size=2, speculative_config=spec, **SMALL_POOL)
+    tokens = generate(llm, case_params())
+    stats = llm.llm_engine.stats()
+    return {
+        "tokens": tokens,
+        "acceptance_rate": stats["spec_decode_acceptance_rate"],
+        "replica_drafts": [s["spec_decode_num_drafts"] for s in stats["replicas"]],
+        "draft_devices": [
+            sorted(d.id for d in jax_devices(w.draft.params)) for w in llm.llm_engine.workers
+        ],
+    }
+
+
+def jax_devices(tree) -> set:
+    import jax
+
+    return {d for leaf in jax.tree.leaves(tree) for d in leaf.devices()}
+
+
 def async_case(model_dir: str) -> list[list[int]]:
     """AsyncLLM over two data-parallel replicas: concurrent requests, greedy tokens."""
     import asyncio
@@ -175,6 +199,7 @@ def main() -> None:
             results[f"window/{tp}x1"] = engine_case(window_dir, tp, 1)
         results["layout"] = layout_case(model_dir, 2)
         results["async/1x2"] = async_case(model_dir)
+        results["draft/1x2"] = draft_case(model_dir)
     else:
         from pagedjax import LLM
 

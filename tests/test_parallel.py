@@ -74,6 +74,14 @@ def test_the_pallas_kernels_run_per_shard(cases):
 
 
 @pytest.mark.slow
+def test_data_parallel_replicas_each_draft_on_their_own_device(cases):
+    one, drafted = cases["llama/1x1"], cases["draft/1x2"]
+    assert drafted["tokens"] == one["tokens"]
+    assert drafted["acceptance_rate"] == 1.0 and min(drafted["replica_drafts"]) > 0
+    assert drafted["draft_devices"] == [[0], [1]]
+
+
+@pytest.mark.slow
 def test_async_llm_over_two_replicas(cases):
     assert cases["async/1x2"] == [tokens[0] for tokens in cases["llama/1x1"]["tokens"]]
 

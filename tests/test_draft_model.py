@@ -87,6 +87,19 @@ def test_preemption_prefix_caching_and_n_keep_the_tokens(tiny, expected, mode):
     assert stats["kv_blocks_used"] == 0 and stats["host_kv_blocks_used"] == 0
 
 
+def test_forks_draft_from_their_copied_blocks(tiny, expected):
+    """n=3 forks share the prompt's partial last block; each one's first drafted step copies
+    it (copy-on-write) and its chain reads the copy: every draft of the target itself holds."""
+    prompt = make_prompts(1, seed=3, lo=11, hi=12)[0]  # 11 tokens: blocks of 8 and 3
+    plain = run(make_engine(tiny, block_size=8), [prompt], GREEDY)
+    engine = make_engine(tiny, block_size=8, speculative_config=draft_config(tiny))
+    forked = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
+    (out,) = run(engine, [prompt], forked)
+    assert [c.token_ids for c in out.outputs] == [plain[0].outputs[0].token_ids] * 3
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] >= 3 and stats["spec_decode_acceptance_rate"] == 1.0
+
+
 def test_stops_and_logprobs_inside_accepted_drafts(tiny, expected):
     stop_token = expected[0][5]
     params = [

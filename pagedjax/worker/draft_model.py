@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.backend import AttentionBackend, AttentionSpec
-from kernels_pallas.kv_cache import PAD_SLOT
+from kernels_pallas.kv_cache import PAD_SLOT, copy_blocks
 from kernels_pallas.metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.errors import ModelLoadError
@@ -197,12 +197,16 @@ def draft_chain(
     kv_cache,
     inputs: ChainInputs,
     previous: jax.Array,  # [P] i32: the previous step's sampled tokens (async scheduling)
+    copies: jax.Array,  # [C, 2] i32: the step's copy-on-write copies (src, dst), first
     config: ModelConfig,
     attention_fn: AttentionBackend,
     decode_only: bool | None,
     vocab_size: int,
 ) -> tuple[jax.Array, object]:
-    """k greedy one-token steps of the draft: ([R, k] drafts, the draft's pool)."""
+    """The step's copy-on-write copies, then k greedy one-token steps of the draft: ([R, k]
+    drafts, the draft's pool)."""
+    if copies.shape[0]:  # a sequence's drafts may read a block copied for it this step
+        kv_cache = copy_blocks(kv_cache, copies)
     if decode_only is not None:
         attention_fn = partial(attention_fn, decode_only=decode_only)
     sources = inputs.sources

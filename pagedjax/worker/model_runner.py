@@ -286,6 +286,7 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
         self._no_previous = self._place(jnp.zeros(max_seqs, jnp.int32))
+        self._no_copies = np.zeros((0, 2), np.int32)
         # With a draft model, placeholders name the previous step's samples, then the drafts:
         # [max_seqs + max_seqs * k], the shape of every step's `previous`.
         self.drafts_size = max_seqs * draft.num_speculative_tokens if draft else 0
@@ -374,8 +375,11 @@ class ModelRunner:
             decode_only=decode_only,
         )
 
-    def _draft_chain(self, drafted, tokens, sources, metadata, previous) -> jax.Array | None:
-        """The drafts [R, k] of the step's `drafted` sequences (see `prepare`), or None."""
+    def _draft_chain(
+        self, drafted, tokens, sources, metadata, previous, copies
+    ) -> jax.Array | None:
+        """The drafts [R, k] of the step's `drafted` sequences (see `prepare`), or None; the
+        chain makes the step's copy-on-write copies in the draft's pool first."""
         if not drafted:
             return None
         k = self.draft.num_speculative_tokens
@@ -388,9 +392,9 @@ class ModelRunner:
             k,
             self._bucket_chain(len(drafted)),
         )
-        return self._run_chain(inputs, previous)
+        return self._run_chain(inputs, previous, copies)
 
-    def _run_chain(self, inputs: ChainInputs, previous: jax.Array) -> jax.Array:
+    def _run_chain(self, inputs: ChainInputs, previous: jax.Array, copies) -> jax.Array:
         draft = self.draft
         drafts, self.draft_cache = self._compiled(
             draft_chain,
@@ -398,6 +402,7 @@ class ModelRunner:
             self.draft_cache,
             inputs,
             previous,
+            copies,
             config=draft.config,
             attention_fn=draft.attention,
             decode_only=True if draft.attention.has_decode_kernel else None,
@@ -581,9 +586,12 @@ class ModelRunner:
         decode_only = self._decode_only(seqs)
         drafts = None
         if self.draft is not None:
-            drafts = self._draft_chain(drafted, tokens, sources, metadata, sampled)
+            drafts = self._draft_chain(drafted, tokens, sources, metadata, sampled, copies)
             sampled = join_drafts(sampled, drafts, self.drafts_size)
-            self._draft_fill(tokens, positions, metadata, copies, sources, sampled, decode_only)
+            fill_copies = copies if drafts is None else self._no_copies  # the chain made them
+            self._draft_fill(
+                tokens, positions, metadata, fill_copies, sources, sampled, decode_only
+            )
         logits, self.kv_cache = self._forward(
             self.params,
             tokens,
@@ -760,9 +768,8 @@ class ModelRunner:
         none, tables = np.zeros(0, np.int32), np.zeros((0, width), np.int32)
         for bucket in self.chain_buckets:
             k = self.draft.num_speculative_tokens
-            self._run_chain(
-                chain_inputs([], none, none, none, tables, k, bucket), self._no_previous
-            )
+            inputs = chain_inputs([], none, none, none, tables, k, bucket)
+            self._run_chain(inputs, self._no_previous, self._no_copies)
 
     def warmup(self, probe: bool = False) -> float:
         """Compiles the forward for every token and width bucket (and decode_only variant a

@@ -20,6 +20,7 @@ Only the verdicts come back to the host, as without speculation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -35,6 +36,7 @@ from models.errors import ModelLoadError
 from models.llama import Params, forward_logits
 from models.loader import load_model, resolve_model_path
 from pagedjax.core.memory import KVCacheSpec
+from pagedjax.core.sched_output import ScheduledSequence
 from pagedjax.core.spec_decode import SpeculativeConfig
 from pagedjax.platforms import Platform
 
@@ -131,6 +133,40 @@ def _same_files(a: str | None, b: str | None) -> bool:
         return resolve_model_path(a).path.resolve() == resolve_model_path(b).path.resolve()
     except ModelLoadError:
         return False
+
+
+def mark_model_drafts(
+    seqs: Sequence[ScheduledSequence], tokens: np.ndarray, first: int, k: int
+) -> list[tuple[int, int, int, int]]:
+    """Turns the stand-ins of the step's model drafts in `tokens` (the step's flat token ids)
+    into placeholders naming the drafts (sequence d's draft j is entry first + d * k + j of
+    what placeholders name); returns (sequence index, its last token's index in the step,
+    that token's position, its number of drafts m) per drafted sequence."""
+    drafted, start = [], 0
+    for i, seq in enumerate(seqs):
+        m = seq.num_model_drafts
+        if m:
+            last = start + len(seq.token_ids) - 1 - m
+            base = first + len(drafted) * k
+            tokens[last + 1 : last + 1 + m] = -1 - np.arange(base, base + m)
+            drafted.append((i, last, seq.num_computed_tokens + last - start, m))
+        start += len(seq.token_ids)
+    return drafted
+
+
+def verify_index(
+    drafted: list[tuple[int, int, int, int]], rows: list[tuple[int, int]], k: int, size: int
+) -> np.ndarray:
+    """[size] the flattened [R, k] draft each sample row verifies, -1 for none. rows: (its
+    sequence index, its offset) each; row j of a drafted sequence (offset m - j) verifies
+    that sequence's draft j < m."""
+    ordinal = {seq: (d, m) for d, (seq, *_, m) in enumerate(drafted)}
+    index = np.full(size, -1, np.int32)
+    for r, (seq, offset) in enumerate(rows):
+        if seq in ordinal and offset >= 1:
+            d, m = ordinal[seq]
+            index[r] = d * k + m - offset
+    return index
 
 
 @jax.tree_util.register_dataclass

@@ -57,7 +57,9 @@ from pagedjax.worker.draft_model import (
     chain_inputs,
     draft_chain,
     join_drafts,
+    mark_model_drafts,
     verified_drafts,
+    verify_index,
 )
 from pagedjax.worker.host_kv import HostKV
 
@@ -491,15 +493,8 @@ class ModelRunner:
         tokens[:num_tokens] = step_tokens
         drafted = []
         if self.draft is not None:
-            k, start = self.draft.num_speculative_tokens, 0
-            for i, seq in enumerate(seqs):
-                m = seq.num_model_drafts
-                if m:
-                    last = start + len(seq.token_ids) - 1 - m
-                    base = self.max_seqs_bucket + len(drafted) * k
-                    tokens[last + 1 : last + 1 + m] = -1 - np.arange(base, base + m)
-                    drafted.append((i, last, seq.num_computed_tokens + last - start, m))
-                start += len(seq.token_ids)
+            k = self.draft.num_speculative_tokens
+            drafted = mark_model_drafts(seqs, tokens, self.max_seqs_bucket, k)
         # Placeholders (negative ids) name the previous step's sample rows: the forward reads
         # those tokens on the device (async scheduling).
         sources = np.where(tokens < 0, -1 - tokens, -1).astype(np.int32)
@@ -637,7 +632,9 @@ class ModelRunner:
             draft_token_ids=draft_ids,
         )
         if drafted:
-            meta = replace(meta, draft_token_ids=self._verified(drafts, drafted, rows, r_pad))
+            k = self.draft.num_speculative_tokens
+            index = verify_index(drafted, [(r.seq_index, r.offset) for r in rows], k, r_pad)
+            meta = replace(meta, draft_token_ids=verified_drafts(drafts, index))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
         out: SamplerOutput = sample(
@@ -658,19 +655,6 @@ class ModelRunner:
             len(targets),
             out.accepted,
         )
-
-    def _verified(self, drafts: jax.Array, drafted: list, rows, r_pad: int) -> jax.Array:
-        """[r_pad] the model draft each sample row verifies (-1: none): row j of a drafted
-        sequence (offset m - j) verifies its draft j < m."""
-        k = self.draft.num_speculative_tokens
-        ordinal = {seq: d for d, (seq, *_, m) in enumerate(drafted)}
-        counts = {seq: m for seq, *_, m in drafted}
-        index = np.full(r_pad, -1, np.int32)
-        for r, row in enumerate(rows):
-            d = ordinal.get(row.seq_index)
-            if d is not None and row.offset >= 1:
-                index[r] = d * k + counts[row.seq_index] - row.offset
-        return verified_drafts(drafts, index)
 
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come

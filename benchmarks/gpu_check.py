@@ -14,7 +14,9 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
                  Pallas paged attention, KV GB/s against a measured copy bandwidth
                                                                      -> bench.log, bench.json
 5. engine        a tiny random Llama (transformers, saved locally) through the engine with the
-                 Pallas backend, greedy tokens against transformers' own    -> engine.json
+                 Pallas backend, greedy tokens against transformers' own; on a GPU also the KV
+                 budget against the card's real size, and the fallback to XLA's attention on a
+                 real Triton refusal (tiles no GPU holds)                   -> engine.json
 The PASS/FAIL and GB/s table is printed last and written to summary.txt (8 files in all).
 `--cpu`: the same script on the CPU (interpret mode, tiny sizes) so it cannot rot (CI runs it).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -227,8 +230,19 @@ def engine_run(mode: str) -> dict:
             mismatches.append(dict(prompt=i, first_diff=at, hf_top2_logit_gap=gap))
     worker = llm.llm_engine.engine_core.worker
     attention = worker.attention.name
+    memory = kv_budget_run(path, prompts[0]) if mode == "gpu" else {"status": "PASS"}
+    fallback = fallback_run(path, prompts, want, max_tokens) if mode == "gpu" else {}
     return dict(
-        status="PASS" if not mismatches and attention == "pallas" else "FAIL",
+        status=(
+            "PASS"
+            if not mismatches
+            and attention == "pallas"
+            and memory["status"] == "PASS"
+            and fallback.get("status", "PASS") == "PASS"
+            else "FAIL"
+        ),
+        memory=memory,
+        fallback=fallback,
         attention_backend=attention,
         backend=jax.default_backend(),
         prompts=len(prompts),
@@ -238,6 +252,111 @@ def engine_run(mode: str) -> dict:
         mismatches=mismatches,
         engine_s=round(seconds, 2),
         compilations=getattr(getattr(worker, "runner", None), "num_compilations", None),
+    )
+
+
+def fallback_run(path: Path, prompts: list, want: list, max_tokens: int) -> dict:
+    """A real Pallas failure on the device: "pallas" becomes the real kernels with tiles that
+    no GPU's shared memory holds, so Triton refuses them at the first compile; the default
+    engine (attention_backend="auto") must warn once and give the same tokens on XLA's
+    attention. "no failure" if the oversized kernels compiled after all."""
+    import functools
+    import logging
+
+    import pagedjax.platforms
+    from kernels_pallas.decode_attention import DecodeConfig
+    from kernels_pallas.paged_attention import PALLAS, paged_attention
+    from kernels_pallas.ragged_paged_attention import RaggedConfig
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    oversized = functools.partial(
+        paged_attention,
+        ragged_config=RaggedConfig(rows_per_program=512, kv_tile_tokens=2048, num_stages=8),
+        decode_config=DecodeConfig(kv_tile_tokens=2048, num_stages=8),
+    )
+    broken = dataclasses.replace(PALLAS, fn=oversized)
+    real = pagedjax.platforms.get_backend
+    pagedjax.platforms.get_backend = lambda name: broken if name == "pallas" else real(name)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("pagedjax").addHandler(handler)
+    try:
+        llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, max_num_seqs=8,
+                  max_num_batched_tokens=32)  # fmt: skip
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        pagedjax.platforms.get_backend = real
+        logging.getLogger("pagedjax").removeHandler(handler)
+    warnings = [r.getMessage() for r in records if "failed at start-up" in r.getMessage()]
+    attention = llm.llm_engine.engine_core.worker.attention.name
+    identical = [list(g) for g in got] == want
+    if attention == "pallas":
+        status = "PASS" if identical else "FAIL"  # nothing failed: nothing to fall back from
+        return dict(status=status, outcome="no failure: the oversized tiles compiled")
+    return dict(
+        status="PASS" if attention == "xla" and len(warnings) == 1 and identical else "FAIL",
+        outcome=f"fell back to {attention}",
+        warnings=[w[:400] for w in warnings],
+        token_identical=identical,
+    )
+
+
+def kv_budget_run(path: Path, prompt: list[int]) -> dict:
+    """An engine sized from the card's memory (gpu_memory_utilization, no num_kv_blocks): the
+    card's size as the budget works it out from JAX's allocator limit against nvidia-smi's, the
+    logged split, and one request served from the large pool."""
+    import logging
+
+    import jax
+
+    from pagedjax.llm import LLM
+    from pagedjax.platforms.memory import allocator_fraction
+    from pagedjax.sampling_params import SamplingParams
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    handler, pagedjax_logger = Lines(), logging.getLogger("pagedjax")
+    pagedjax_logger.addHandler(handler)
+    pagedjax_logger.setLevel(logging.INFO)
+    utilization = 0.5  # beside the first engine, which still holds its memory
+    llm = LLM(str(path), attention_backend="pallas", max_model_len=128, max_num_seqs=8,
+              gpu_memory_utilization=utilization)  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    pagedjax_logger.removeHandler(handler)
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    card = limit / allocator_fraction(os.environ)
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=15,
+    )  # fmt: skip
+    smi_bytes = int(smi.stdout.split()[0]) * 2**20 if smi.returncode == 0 else 0
+    engine_stats = llm.llm_engine.engine_core.stats()
+    kv_bytes = engine_stats.get("kv_cache_bytes_per_device", 0)
+    ratio = card / smi_bytes if smi_bytes else None
+    return dict(
+        status="PASS" if ratio and abs(ratio - 1) < 0.03 and len(tokens) == 4 else "FAIL",
+        allocator_bytes_limit=limit,
+        allocator_fraction=allocator_fraction(os.environ),
+        card_bytes_worked_out=int(card),
+        nvidia_smi_bytes=smi_bytes,
+        card_over_smi=ratio,
+        gpu_memory_utilization=utilization,
+        kv_cache_bytes=kv_bytes,
+        kv_fraction_of_card=kv_bytes / smi_bytes if smi_bytes else None,
+        kv_blocks=engine_stats.get("kv_blocks_total"),
+        peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+        log=[line for line in handler.lines if "KV" in line or "dtype" in line][:6],
     )
 
 
@@ -494,6 +613,14 @@ class Check:
                 f"{result['attention_backend']} backend: "
                 + ("token-identical" if result["token_identical"] else "MISMATCH")
             )
+            if result.get("fallback", {}).get("outcome"):
+                detail += f"; real Pallas failure: {result['fallback']['outcome']}"
+            memory = result.get("memory", {})
+            if memory.get("card_over_smi"):
+                detail += (
+                    f"; KV budget: card worked out {memory['card_over_smi']:.3f}x nvidia-smi's, "
+                    f"pool {memory['kv_fraction_of_card']:.0%} of the card"
+                )
         else:
             detail = last_line(log)
         return dict(status=result["status"], seconds=seconds, detail=detail)
@@ -534,8 +661,16 @@ class Check:
         report = self.results.get("bench", {}).get("report") or {}
         copy_bw = report.get("copy_bandwidth_gb_per_s") or 0
         if report.get("cases"):
-            lines.append(f"bench: {report.get('device')}, copy {copy_bw:.0f} GB/s (read + write)")
-            lines.append(f"  {'case':22s} {'kv':9s} {'kernel':28s} {'us':>9s} {'GB/s':>6s} copy%")
+            read_bw = report.get("read_bandwidth_gb_per_s")
+            torch_bw = report.get("torch_copy_bandwidth_gb_per_s")
+            lines.append(
+                f"bench: {report.get('device')}, copy {copy_bw:.0f} GB/s (read + write)"
+                + (f", read {read_bw:.0f} GB/s" if read_bw else "")
+                + (f", torch copy {torch_bw:.0f} GB/s" if torch_bw else "")
+            )
+            lines.append(
+                f"  {'case':22s} {'kv':9s} {'kernel':28s} {'us':>9s} {'GB/s':>6s} copy% read%"
+            )
             for case in report["cases"]:
                 for label, t in case["timings"].items():
                     row = f"  {case['case']:22s} {case['kv_dtype'][:9]:9s} {label[:28]:28s}"
@@ -543,9 +678,12 @@ class Check:
                         lines.append(f"{row} ERROR {t['error'][:60]}")
                     else:
                         error = bench_error(case, label, t)
+                        read = t.get("fraction_of_read_bw")
                         lines.append(
                             f"{row} {t['us']:9.1f} {t['kv_gb_per_s']:6.0f} "
-                            f"{t['fraction_of_copy_bw']:5.0%}" + (f" {error}" if error else "")
+                            f"{t['fraction_of_copy_bw']:5.0%} "
+                            + (f"{read:5.0%}" if read else "    -")
+                            + (f" {error}" if error else "")
                         )
                 if "skipped" in case:
                     lines.append(f"  {case['case']:22s} skipped: {case['skipped'][:60]}")
@@ -571,6 +709,8 @@ class Check:
             f"targets on {name} bf16 (split-K): {fraction:.0%} of copy bandwidth "
             f"(>= {TARGET_COPY_FRACTION:.0%}: {met})"
         )
+        if ours.get("fraction_of_read_bw"):
+            text += f", {ours['fraction_of_read_bw']:.0%} of read bandwidth"
         if "us" in peer:
             speedup = peer["us"] / ours["us"]
             met = "MET" if speedup >= TARGET_SPEEDUP else "MISSED"

@@ -27,6 +27,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,52 @@ def timed(fn: Callable[..., Any], *args: Any, iters: int, repeats: int = 5) -> f
     return statistics.median(per_call)
 
 
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured device bandwidths in bytes/s: what a kernel's KV bytes per second are held to."""
+
+    copy: float  # an elementwise pass, bytes read + written (the issue's yardstick)
+    read: float  # a read-only pass: a decode kernel's own ceiling
+
+
 def copy_bandwidth(iters: int, elements: int = 1 << 30) -> float:
     """Device memory bandwidth in bytes/s of an elementwise pass (read + write) over 2 GiB."""
-    x = jnp.ones((elements,), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (elements,), jnp.bfloat16)
     seconds = timed(jax.jit(lambda x: x + 1), x, iters=iters)
     return 2 * x.nbytes / seconds
+
+
+def read_bandwidth(iters: int, elements: int = 1 << 30) -> float:
+    """Device memory bandwidth in bytes/s of a read-only pass (a max) over 2 GiB: the ceiling
+    of a decode kernel, which reads the KV and writes next to nothing."""
+    x = jax.random.normal(jax.random.key(2), (elements,), jnp.bfloat16)
+    seconds = timed(jax.jit(jnp.max), x, iters=iters)
+    return x.nbytes / seconds
+
+
+def torch_copy_bandwidth(elements: int = 1 << 30) -> float | None:
+    """PyTorch's device-to-device copy (read + write) in bytes/s, a cross-check of XLA's
+    elementwise pass; None without a CUDA build of torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(elements, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(6):
+        start.record()
+        for _ in range(10):
+            y.copy_(x)
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / 10)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * elements * 2 / statistics.median(per_call[1:])
 
 
 def make_step(
@@ -186,7 +228,7 @@ def run_large_pool_case(
     gib: float,
     *,
     iters: int,
-    copy_bw: float,
+    ceilings: Ceilings,
     seqs: list[tuple[int, int]] = LARGE_POOL_SEQS,
     tiny: bool = False,  # a CPU smoke run: a pool of gib MiB, no memory check
 ) -> dict:
@@ -215,7 +257,7 @@ def run_large_pool_case(
     with warnings.catch_warnings(record=True) as caught:  # the fp8 2-4 GiB layer copy
         warnings.simplefilter("always")
         for label, fn in candidates.items():
-            result["timings"][label] = measure(fn, (q, cache, metadata), kv_bytes, iters, copy_bw)
+            result["timings"][label] = measure(fn, (q, cache, metadata), kv_bytes, iters, ceilings)
     result["warnings"] = sorted({str(w.message) for w in caught})
     want = ragged_paged_attention(q, cache, LAYER, metadata, scale=scale)
     want = np.asarray(want.astype(jnp.float32))
@@ -253,7 +295,7 @@ def run_case(
     *,
     decode: bool,
     iters: int,
-    copy_bw: float,
+    ceilings: Ceilings,
     with_peers: bool,
 ) -> dict:
     q, cache, metadata, kv_bytes = make_step(seqs, kv_dtype)
@@ -301,12 +343,12 @@ def run_case(
             lambda q, c, m: ragged_paged_attention(q, c, LAYER, m, scale=scale)
         )
     for label, fn in candidates.items():
-        result["timings"][label] = measure(fn, (q, cache, metadata), kv_bytes, iters, copy_bw)
+        result["timings"][label] = measure(fn, (q, cache, metadata), kv_bytes, iters, ceilings)
     if with_peers and decode:
         try:
             fn, args = bundled_peer(q, cache, metadata)
             result["timings"]["jax_bundled_paged_attention"] = measure(
-                fn, args, kv_bytes, iters, copy_bw
+                fn, args, kv_bytes, iters, ceilings
             )
         except Exception as error:  # the peer has its own shape rules; record, go on
             result["timings"]["jax_bundled_paged_attention"] = {"error": repr(error)[:500]}
@@ -316,7 +358,7 @@ def run_case(
 
 
 def measure(
-    fn: Callable[..., jax.Array], args: tuple, kv_bytes: int, iters: int, copy_bw: float
+    fn: Callable[..., jax.Array], args: tuple, kv_bytes: int, iters: int, ceilings: Ceilings
 ) -> dict:
     try:
         seconds = timed(fn, *args, iters=iters)
@@ -327,7 +369,8 @@ def measure(
     return {
         "us": seconds * 1e6,
         "kv_gb_per_s": bandwidth / 1e9,
-        "fraction_of_copy_bw": bandwidth / copy_bw,
+        "fraction_of_copy_bw": bandwidth / ceilings.copy,
+        "fraction_of_read_bw": bandwidth / ceilings.read,
     }
 
 
@@ -364,19 +407,28 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     device = jax.devices()[0]
-    copy_bw = copy_bandwidth(args.iters, 1 << 20 if args.tiny else 1 << 30)
+    elements = 1 << 20 if args.tiny else 1 << 30
+    torch_copy = torch_copy_bandwidth(elements) if jax.default_backend() == "gpu" else None
+    ceilings = Ceilings(copy_bandwidth(args.iters, elements), read_bandwidth(args.iters, elements))
     report = {
         "device": device.device_kind,
         "backend": jax.default_backend(),
         "sm_count": device_sm_count(device),
         "jax": jax.__version__,
-        "copy_bandwidth_gb_per_s": copy_bw / 1e9,
+        "copy_bandwidth_gb_per_s": ceilings.copy / 1e9,
+        "read_bandwidth_gb_per_s": ceilings.read / 1e9,
+        "torch_copy_bandwidth_gb_per_s": torch_copy / 1e9 if torch_copy else None,
         "config": dict(
             q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block=BLOCK_SIZE
         ),
         "cases": [],
     }
-    print(f"{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    print(
+        f"{device.device_kind}: copy bandwidth {ceilings.copy / 1e9:.0f} GB/s, read "
+        f"{ceilings.read / 1e9:.0f} GB/s"
+        + (f", torch copy {torch_copy / 1e9:.0f} GB/s" if torch_copy else ""),
+        flush=True,
+    )
     shapes = DECODE_SHAPES[::2] if args.quick else DECODE_SHAPES
     dtypes = [jnp.bfloat16] if args.quick else [jnp.bfloat16, jnp.float8_e4m3fn]
     mixed = MIXED_STEP
@@ -398,7 +450,7 @@ def main() -> None:
     for name, seqs, kv_dtype, decode in cases:
         with_peers = kv_dtype == jnp.bfloat16
         result = run_case(
-            name, seqs, kv_dtype, decode=decode, iters=args.iters, copy_bw=copy_bw,
+            name, seqs, kv_dtype, decode=decode, iters=args.iters, ceilings=ceilings,
             with_peers=with_peers,
         )  # fmt: skip
         report["cases"].append(result)
@@ -406,7 +458,7 @@ def main() -> None:
         (args.out / "kernels.json").write_text(json.dumps(report, indent=2))
     for name, kv_dtype, gib in LARGE_POOL_CASES if args.large_pool or args.large_pool_only else []:
         result = run_large_pool_case(
-            name, kv_dtype, gib, iters=args.iters, copy_bw=copy_bw,
+            name, kv_dtype, gib, iters=args.iters, ceilings=ceilings,
             **(dict(seqs=[(1, 60), (1, 37)], tiny=True) if args.tiny else {}),
         )  # fmt: skip
         report["cases"].append(result)
@@ -429,7 +481,8 @@ def print_result(result: dict) -> None:
             checked = f" finite={timing['finite']} err={timing['max_abs_error_vs_reference']:.3g}"
         print(
             f"{name:24s} {kv_dtype:14s} {label:28s} {timing['us']:9.1f} us "
-            f"{timing['kv_gb_per_s']:7.0f} GB/s {timing['fraction_of_copy_bw']:6.1%}{checked}",
+            f"{timing['kv_gb_per_s']:7.0f} GB/s {timing['fraction_of_copy_bw']:6.1%} of copy "
+            f"{timing['fraction_of_read_bw']:6.1%} of read{checked}",
             flush=True,
         )
 

@@ -151,7 +151,9 @@ def test_software_fp8_upcast_is_exact_for_every_value(dtype):
     got = np.asarray(fp8_to_float32(values))
     want = np.asarray(values.astype(jnp.float32))
     np.testing.assert_array_equal(got, want)  # NaNs compare equal here
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # and -0.0 stays -0.0
+    # -0.0 stays -0.0; a NaN's sign is not compared (XLA:GPU's own conversion drops it).
+    numbers = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got)[numbers], np.signbit(want)[numbers])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])

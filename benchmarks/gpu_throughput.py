@@ -8,7 +8,7 @@ has a random prompt of --prompt-len tokens and decodes exactly --tokens (ignore_
 with EOS switched off), greedy.
 
     python benchmarks/gpu_throughput.py [--requests 256] [--prompt-len 128] [--tokens 128]
-        [--peer-batch 256] [--out DIR]
+        [--peer-batch 256] [--out DIR] [--model-dir DIR [--build-only]]
 
 Prints output tokens/s of both and the ratio; writes gpu_throughput.json under --out.
 """
@@ -42,7 +42,11 @@ def build_model(path: Path, num_layers: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(path, safe_serialization=True)
-    build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    tokenizer = build_tiny_tokenizer(config.vocab_size)
+    # The workloads' chat prompts (host_overhead.py --model) need a template; words it does not
+    # know become one id, which is all a random model needs.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(path)
 
 
 def run_engine(path: Path, prompts: list[list[int]], tokens: int) -> dict:
@@ -115,13 +119,19 @@ def main() -> None:
     parser.add_argument("--peer-batch", type=int, default=256)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--model-dir", type=Path, default=None, help="save (or reuse) it here")
+    parser.add_argument("--build-only", action="store_true", help="save the model and stop")
     args = parser.parse_args()
 
     import jax
     import numpy as np
 
-    path = Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
-    build_model(path, args.layers)
+    path = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
+    if not (path / "config.json").exists():
+        build_model(path, args.layers)
+    if args.build_only:
+        print(f"saved {path}")
+        return
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 49152, (args.requests, args.prompt_len)).tolist()
     result = dict(

@@ -4,6 +4,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
+    ... [--model DIR]   another model than the default one
 
 Default: the real model on this machine's device; the waiting is the time blocked on the step's
 device results (the only host sync of a step), timed around a block_until_ready on the
@@ -56,11 +57,11 @@ def start_requests(llm, running: int, max_tokens: int, **params) -> None:
         engine.step()
 
 
-def make_llm(running: int, max_num_batched_tokens: int = 512, **options):
+def make_llm(running: int, model: str | None, max_num_batched_tokens: int = 512, **options):
     from pagedjax.llm import LLM
 
     return LLM(
-        None,
+        model,
         max_model_len=512,
         max_num_batched_tokens=max(max_num_batched_tokens, running),
         max_num_seqs=running,
@@ -74,7 +75,7 @@ def on_device(args) -> None:
 
     from pagedjax.worker import model_runner
 
-    llm = make_llm(args.running)
+    llm = make_llm(args.running, args.model)
     engine = llm.llm_engine
     engine.engine_core.worker.runner.warmup()
     start_requests(llm, args.running, 10_000 // args.running + args.steps + 64)
@@ -131,17 +132,19 @@ def host_only(args) -> None:
         tokens = rng.choice(words, rows).astype(np.int32)
         return types.SimpleNamespace(token_ids=tokens, finite=np.ones(rows, bool))
 
-    model_runner.sample = random_tokens
+    real_sample = model_runner.sample
     warm_steps = 30  # outputs of ~40 tokens on prompts of 25-200, as mid-generation
     result = {"running_requests": args.running, "steps": args.steps}
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         # A large budget prefills everyone in a few steps, so all requests start level and
         # run to the end of the measured steps within 384 tokens.
-        llm = make_llm(args.running, max_num_batched_tokens=8192)
+        llm = make_llm(args.running, args.model, max_num_batched_tokens=8192)
         engine = llm.llm_engine
         if words is None:
             decode = llm.get_tokenizer().decode
             words = np.array([i for i in range(1000, 40000) if "\n" not in decode([i])])
+        # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
+        model_runner.sample = random_tokens
         engine.engine_core.worker.runner._forward = no_forward
         start_requests(llm, args.running, warm_steps + args.steps + 16, output_kind=kind)
         for _ in range(warm_steps):
@@ -158,6 +161,7 @@ def host_only(args) -> None:
         result[f"{name}_us_per_step_median"] = 1e6 * median
         result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
         result[f"{name}_us_per_row_median"] = 1e6 * median / args.running
+        model_runner.sample = real_sample
         del llm, engine
     report("host_overhead_host_only", result)
 
@@ -167,7 +171,7 @@ def overlap(args) -> None:
 
     result = {"running_requests": args.running, "steps": args.steps}
     for mode in ("off", "on"):
-        llm = make_llm(args.running, async_scheduling=mode == "on")
+        llm = make_llm(args.running, args.model, async_scheduling=mode == "on")
         engine = llm.llm_engine
         engine.engine_core.worker.runner.warmup()
         max_tokens = args.steps + 64
@@ -194,6 +198,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps measured")
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
+    parser.add_argument(
+        "--model", default=None, help="a model directory (default: the default model); on a "
+        "GPU e.g. the one `gpu_throughput.py --model-dir DIR --build-only` saves",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.overlap:
         args.steps = args.steps or 30

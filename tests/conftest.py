@@ -10,6 +10,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_executables():
+    """Drops each module's compiled executables after it: jax's caches keep every one, XLA:CPU
+    maps each into memory with three mappings, and a whole suite's (about 9,500 by the draft
+    model's tests) passed the kernel's limit of 65,530 mappings (vm.max_map_count), so a later
+    compile segfaulted."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
 # name -> (HF config class name, config overrides). Small but non-degenerate: several layers,
 # GQA ratios 1, 2, 3 and 4, tied and untied embeddings, each architecture's own features.
 TINY_MODELS: dict[str, tuple[str, dict]] = {

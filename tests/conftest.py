@@ -22,6 +22,7 @@ def _release_compiled_executables():
 
     jax.clear_caches()
 
+
 # name -> (HF config class name, config overrides). Small but non-degenerate: several layers,
 # GQA ratios 1, 2, 3 and 4, tied and untied embeddings, each architecture's own features.
 TINY_MODELS: dict[str, tuple[str, dict]] = {

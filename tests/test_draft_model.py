@@ -10,6 +10,7 @@ import torch
 from pagedjax.config import EngineConfig
 from pagedjax.sampling_params import SamplingParams
 from tests.test_engine import make_engine, make_prompts, run, tokens_of
+from tests.test_spec_decode import assert_stops_inside_drafts_match
 
 PROMPTS = make_prompts(6, seed=7)
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -101,24 +102,8 @@ def test_forks_draft_from_their_copied_blocks(tiny, expected):
 
 
 def test_stops_and_logprobs_inside_accepted_drafts(tiny, expected):
-    stop_token = expected[0][5]
-    params = [
-        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
-        SamplingParams(temperature=0, max_tokens=30, stop=[f"w{expected[1][6]}"]),
-        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
-        *[SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 9)],
-    ]
-    plain = run(make_engine(tiny, block_size=8), PROMPTS, params)
-    drafted = run(
-        make_engine(tiny, block_size=8, speculative_config=draft_config(tiny)), PROMPTS, params
-    )
-    for a, b in zip(plain, drafted, strict=True):
-        a, b = a.outputs[0], b.outputs[0]
-        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
-    for g, w in zip(drafted[2].outputs[0].logprobs, plain[2].outputs[0].logprobs, strict=True):
-        assert sorted(g) == sorted(w)
-        for token in w:
-            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-5)
+    engine = make_engine(tiny, block_size=8, speculative_config=draft_config(tiny))
+    assert_stops_inside_drafts_match(tiny, PROMPTS, expected, engine)
 
 
 def _exact_marginals(hf_model, prompt: list[int], top_k: int) -> list[dict[int, float]]:

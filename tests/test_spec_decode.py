@@ -143,6 +143,13 @@ def test_long_accepted_runs_and_rejections_anywhere_keep_the_tokens(tiny, expect
 def test_stops_inside_accepted_drafts_end_the_output_there(tiny, expected):
     """A stop token, a stop string, max_tokens and logprobs on tokens that arrive several in
     a step: the same outputs as one token a step."""
+    assert_stops_inside_drafts_match(tiny, PROMPTS, expected, oracle_engine(tiny, expected))
+
+
+def assert_stops_inside_drafts_match(tiny, prompts, expected, drafting_engine) -> None:
+    """`drafting_engine`'s outputs with stops, a short max_tokens and logprobs landing inside
+    accepted drafts are those of the same requests one token a step (`expected`: the greedy
+    tokens of `prompts`)."""
     stop_token = expected[0][5]
     params = [
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
@@ -150,8 +157,8 @@ def test_stops_inside_accepted_drafts_end_the_output_there(tiny, expected):
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
         *[SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 9)],
     ]
-    plain = run(make_engine(tiny, block_size=8), PROMPTS, params)
-    drafted = run(oracle_engine(tiny, expected), PROMPTS, params)
+    plain = run(make_engine(tiny, block_size=8), prompts, params)
+    drafted = run(drafting_engine, prompts, params)
     for a, b in zip(plain, drafted, strict=True):
         a, b = a.outputs[0], b.outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (

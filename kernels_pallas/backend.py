@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 
@@ -83,6 +83,10 @@ class FunctionBackend:
     # How the model writes a step's new K/V into the pool before calling the backend (an
     # optional attribute of any backend; `kv_cache.write_kv`'s arguments and result).
     write_kv: Callable[..., KVCache] = write_kv
+    # The most blocks (up to the first argument) of a pool with this many elements per block
+    # and this dtype that the backend reads at full speed; the engine sizes a pool it derives
+    # from memory with it (an optional attribute of any backend; None: any number).
+    fit_num_blocks: Callable[[int, int, Any], int] | None = None
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)

@@ -48,7 +48,7 @@ from kernels_pallas.decode_attention import (
 )
 from kernels_pallas.kv_cache import KVCache
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
-from kernels_pallas.pallas_common import matmul_dtype
+from kernels_pallas.pallas_common import in_place_num_blocks, matmul_dtype
 from kernels_pallas.ragged_paged_attention import RaggedConfig, ragged_paged_attention_kernel
 
 INTERPRET_ENV = "PAGEDJAX_PALLAS_INTERPRET"
@@ -196,7 +196,12 @@ def _supports(spec: AttentionSpec) -> str | None:
 # The kernels compiled on a GPU and interpreted elsewhere (correct but slow: for tests). The
 # ragged kernel's grid and the split-K grid bound follow the block-table width.
 PALLAS = FunctionBackend(
-    "pallas", paged_attention, cost_follows_context=False, check=_supports, has_decode_kernel=True
+    "pallas",
+    paged_attention,
+    cost_follows_context=False,
+    check=_supports,
+    has_decode_kernel=True,
+    fit_num_blocks=in_place_num_blocks,
 )
 
 __all__ = [

@@ -306,6 +306,15 @@ def int32_offsets_overflow(shape: Sequence[int], dtype: jnp.dtype) -> bool:
     return nbytes <= TRITON_INT64_OFFSETS_ABOVE_BYTES and size > 2**31
 
 
+def in_place_num_blocks(num_blocks: int, elements_per_block: int, dtype: jnp.dtype) -> int:
+    """The most blocks, up to `num_blocks`, of a pool the kernels read in place: fewer only
+    where `num_blocks` would make an fp8 pool of 2-4 GiB, which `addressable_pool` copies a
+    layer of on every call; then the most that keep it under 2**31 elements (2 GiB)."""
+    if not int32_offsets_overflow((num_blocks * elements_per_block,), dtype):
+        return num_blocks
+    return 2**31 // elements_per_block
+
+
 def addressable_pool(
     pool: jax.Array,  # [L, Hkv, N, block_size, D]
     layer: jax.Array,  # [] int32
@@ -325,8 +334,8 @@ def addressable_pool(
         )
     warnings.warn(
         f"the {pool.dtype} pool {pool.shape} is 2-4 GiB: the Pallas kernels copy the step's "
-        "layer on every call to keep Triton's 32-bit offsets in range (size the pool below "
-        "2 GiB or above 4 GiB to avoid the copy)",
+        "layer on every call to keep Triton's 32-bit offsets in range (num_kv_blocks for a "
+        "pool below 2 GiB or above 4 GiB avoids the copy; a pool sized from memory does)",
         stacklevel=2,
     )
     return layer_pool
@@ -384,6 +393,7 @@ __all__ = [
     "dot_nt",
     "fold_kv_tiles",
     "fp8_to_float32",
+    "in_place_num_blocks",
     "int32_offsets_overflow",
     "int32_scalars",
     "kv_tile_tokens",

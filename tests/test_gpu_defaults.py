@@ -285,3 +285,47 @@ def test_the_sampler_reserve_covers_the_compiled_sampler():
     used = compiled.memory_analysis().temp_size_in_bytes + rows * vocab * 4
     assert used <= sampler_reserve_bytes(rows, vocab)
     assert np.isclose(used, sampler_reserve_bytes(rows, vocab), rtol=0.2)  # and not far above
+
+
+# ------------------------------------------------ a pool the Pallas kernels read in place
+
+
+def test_a_pool_sized_from_memory_avoids_the_fp8_range_the_kernels_copy(caplog):
+    """An fp8 pool of 2-4 GiB is one the Pallas kernels can only read through a per-call copy
+    of its layer: a pool sized from a budget stays under 2 GiB instead; other dtypes, other
+    backends and the draft's own backend keep every block."""
+    from types import SimpleNamespace
+
+    from kernels_pallas.paged_attention import PALLAS
+    from kernels_pallas.pallas_common import int32_offsets_overflow
+    from kernels_pallas.xla_attention import XLA
+    from pagedjax.core.memory import KVCacheSpec
+    from pagedjax.worker.worker import Worker
+
+    fp8 = KVCacheSpec(30, 8, 128, jnp.float8_e4m3fn)  # 491,520 elements a 16-token block
+    per_block = 30 * 8 * 16 * 128
+
+    def fit(num_blocks, attention=PALLAS, spec=fp8, draft=None):
+        worker = SimpleNamespace(
+            attention=attention, device_kv_spec=spec, draft=draft,
+            config=SimpleNamespace(block_size=16),
+        )  # fmt: skip
+        return Worker.fit_num_blocks(worker, num_blocks)
+
+    caplog.set_level(logging.INFO, logger="pagedjax")
+    blocks = 6000  # a 2.75 GiB pool
+    assert int32_offsets_overflow((30, 8, blocks, 16, 128), jnp.float8_e4m3fn)
+    fitted = fit(blocks)
+    assert fitted == 2**31 // per_block < blocks
+    assert not int32_offsets_overflow((30, 8, fitted, 16, 128), jnp.float8_e4m3fn)
+    assert int32_offsets_overflow((30, 8, fitted + 1, 16, 128), jnp.float8_e4m3fn)
+    assert any("instead of 6000" in r.getMessage() for r in caplog.records)
+    assert fit(fitted) == fitted  # under 2 GiB, and past 4 GiB: every block
+    assert fit(9000) == 9000  # 4.1 GiB: 64-bit offsets
+    assert fit(blocks, spec=KVCacheSpec(30, 8, 128, jnp.bfloat16)) == blocks
+    assert fit(blocks, attention=XLA) == blocks
+    # a bf16 target beside an fp8 draft on the Pallas kernels: the draft's pool decides
+    draft = SimpleNamespace(attention=PALLAS, kv_spec=fp8)
+    assert fit(blocks, spec=KVCacheSpec(30, 8, 128, jnp.bfloat16), draft=draft) == fitted
+    draft_on_xla = SimpleNamespace(attention=XLA, kv_spec=fp8)
+    assert fit(blocks, attention=XLA, draft=draft_on_xla) == blocks

@@ -401,7 +401,7 @@ class Worker:
                     config, self._activation_peak, self.model_config.vocab_size, self.devices[0]
                 )
             # The budget is one device's: each holds its KV heads' part of every block.
-            num_blocks = budget // self.bytes_per_block()
+            num_blocks = self.fit_num_blocks(budget // self.bytes_per_block())
         usable, block_size = num_blocks - 1, config.block_size  # block 0 is the null block
         tokens = usable * block_size
         logger.info(
@@ -419,6 +419,28 @@ class Worker:
                 "kv_cache_memory_bytes)"
             )
         return num_blocks
+
+    def fit_num_blocks(self, num_blocks: int) -> int:
+        """`num_blocks`, or fewer where the attention backend reads a pool that large more
+        slowly (`fit_num_blocks` of the backend: an fp8 pool of 2-4 GiB for the Pallas
+        kernels), for the target's pool and the draft's."""
+        block_size, fitted = self.config.block_size, num_blocks
+        pools = [(self.attention, self.device_kv_spec)]
+        if self.draft is not None:
+            pools.append((self.draft.attention, self.draft.kv_spec))
+        for backend, spec in pools:
+            fit = getattr(backend, "fit_num_blocks", None)
+            if fit is not None:
+                per_block = spec.num_layers * spec.num_kv_heads * block_size * spec.head_dim
+                fitted = min(fitted, fit(num_blocks, per_block, spec.dtype))
+        if fitted < num_blocks:
+            logger.info(
+                "KV pool: %d blocks instead of %d, so that the %r attention reads it in place",
+                fitted,
+                num_blocks,
+                self.attention.name,
+            )
+        return fitted
 
     def _activation_peak(self) -> int:
         """The forward's compiled temporaries; the first compile of the attention backend

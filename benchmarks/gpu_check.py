@@ -46,7 +46,7 @@ MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
 STAGES = ["env", "smoke", "kernel_tests", "bench", "engine"]
 # Seconds per stage (--budget STAGE=SECONDS changes one). GPU: 455 in all, plus 20 s of slack
 # for the driver: under the 8 minutes one device call is planned for; sized from the stage
-# times of the first H200 run (benchmarks/README.md).
+# times of the first GPU run (benchmarks/README.md).
 BUDGETS = {
     "gpu": dict(env=20, smoke=60, kernel_tests=135, bench=120, engine=120),
     "cpu": dict(env=60, smoke=240, kernel_tests=180, bench=180, engine=240),

@@ -14,9 +14,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_executables():
     """Drops each module's compiled executables after it: jax's caches keep every one, XLA:CPU
-    maps each into memory with three mappings, and a whole suite's (about 9,500 by the draft
-    model's tests) passed the kernel's limit of 65,530 mappings (vm.max_map_count), so a later
-    compile segfaulted."""
+    maps each into memory with three mappings, and a whole suite's passed the kernel's limit
+    of mappings (vm.max_map_count), so a later compile segfaulted."""
     yield
     import jax
 

@@ -29,6 +29,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -256,13 +257,28 @@ def engine_run(mode: str) -> dict:
     )
 
 
+@contextlib.contextmanager
+def pagedjax_log(level: int):
+    """The messages pagedjax logs at `level` and above inside the block, as a list."""
+    messages: list[str] = []
+    handler, log = logging.Handler(level), logging.getLogger("pagedjax")
+    handler.emit = lambda record: messages.append(record.getMessage())
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(min(level, log.getEffectiveLevel()))
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+
+
 def fallback_run(path: Path, prompts: list, want: list, max_tokens: int) -> dict:
     """A real Pallas failure on the device: "pallas" becomes the real kernels with tiles that
     no GPU's shared memory holds, so Triton refuses them at the first compile; the default
     engine (attention_backend="auto") must warn once and give the same tokens on XLA's
     attention. "no failure" if the oversized kernels compiled after all."""
     import functools
-    import logging
 
     import pagedjax.platforms
     from kernels_pallas.decode_attention import DecodeConfig
@@ -279,19 +295,15 @@ def fallback_run(path: Path, prompts: list, want: list, max_tokens: int) -> dict
     broken = dataclasses.replace(PALLAS, fn=oversized)
     real = pagedjax.platforms.get_backend
     pagedjax.platforms.get_backend = lambda name: broken if name == "pallas" else real(name)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logging.getLogger("pagedjax").addHandler(handler)
     try:
-        llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, max_num_seqs=8,
-                  max_num_batched_tokens=32)  # fmt: skip
+        with pagedjax_log(logging.WARNING) as messages:
+            llm = LLM(str(path), max_model_len=128, num_kv_blocks=64, max_num_seqs=8,
+                      max_num_batched_tokens=32)  # fmt: skip
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         pagedjax.platforms.get_backend = real
-        logging.getLogger("pagedjax").removeHandler(handler)
-    warnings = [r.getMessage() for r in records if "failed at start-up" in r.getMessage()]
+    warnings = [m for m in messages if "failed at start-up" in m]
     attention = llm.llm_engine.engine_core.worker.attention.name
     identical = [list(g) for g in got] == want
     if attention == "pallas":
@@ -309,39 +321,28 @@ def kv_budget_run(path: Path, prompt: list[int]) -> dict:
     """An engine sized from the card's memory (gpu_memory_utilization, no num_kv_blocks): the
     card's size as the budget works it out from JAX's allocator limit against nvidia-smi's, the
     logged split, and one request served from the large pool."""
-    import logging
-
     import jax
 
     from pagedjax.llm import LLM
     from pagedjax.platforms.memory import allocator_fraction
     from pagedjax.sampling_params import SamplingParams
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
-    handler, pagedjax_logger = Lines(), logging.getLogger("pagedjax")
-    pagedjax_logger.addHandler(handler)
-    pagedjax_logger.setLevel(logging.INFO)
     utilization = 0.5  # beside the first engine, which still holds its memory
-    llm = LLM(str(path), attention_backend="pallas", max_model_len=128, max_num_seqs=8,
-              gpu_memory_utilization=utilization)  # fmt: skip
+    with pagedjax_log(logging.INFO) as messages:
+        llm = LLM(str(path), attention_backend="pallas", max_model_len=128, max_num_seqs=8,
+                  gpu_memory_utilization=utilization)  # fmt: skip
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    pagedjax_logger.removeHandler(handler)
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     card = limit / allocator_fraction(os.environ)
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, timeout=15,
-    )  # fmt: skip
-    smi_bytes = int(smi.stdout.split()[0]) * 2**20 if smi.returncode == 0 else 0
+    smi_bytes = 0  # the card's size by nvidia-smi, where there is one
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=15,
+        )  # fmt: skip
+        smi_bytes = int(smi.stdout.split()[0]) * 2**20 if smi.returncode == 0 else 0
     engine_stats = llm.llm_engine.engine_core.stats()
     kv_bytes = engine_stats.get("kv_cache_bytes_per_device", 0)
     ratio = card / smi_bytes if smi_bytes else None
@@ -357,7 +358,7 @@ def kv_budget_run(path: Path, prompt: list[int]) -> dict:
         kv_fraction_of_card=kv_bytes / smi_bytes if smi_bytes else None,
         kv_blocks=engine_stats.get("kv_blocks_total"),
         peak_bytes_in_use=stats.get("peak_bytes_in_use"),
-        log=[line for line in handler.lines if "KV" in line or "dtype" in line][:6],
+        log=[line for line in messages if "KV" in line or "dtype" in line][:6],
     )
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TOPICS = [
     "the history of the printing press",
@@ -101,3 +105,41 @@ def system_prompt(tokenizer, num_tokens: int = 1024) -> str:
             break
         text += " " + rule
     return text
+
+
+def save_random_llama(
+    path: Path,
+    *,
+    vocab_size: int = 2048,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 1,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    dtype: str = "float32",
+    chat_template: bool = True,
+) -> Path:
+    """A random-weight Llama saved at `path` with the tests' word-level tokenizer (text "w5 w9"
+    is ids [5, 9]): the defaults are a model whose device work is negligible, for host-cost
+    measurements and smoke runs. chat_template: a plain one, so chat workloads run too."""
+    import torch
+    import transformers
+
+    if str(ROOT) not in sys.path:  # the tokenizer is the tests' (run as a script, not a package)
+        sys.path.insert(0, str(ROOT))
+    from tests.conftest import build_tiny_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    if chat_template:  # words the tokenizer does not know become one id each
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(path)
+    return Path(path)

@@ -6,14 +6,21 @@ importing JAX.
 
 from importlib import import_module
 
+# vLLM's top-level names (`from vllm import ...`), and a few more users reach for first.
 _EXPORTS = {
     "LLM": "pagedjax.llm",
     "LLMEngine": "pagedjax.engine",
+    "AsyncLLM": "pagedjax.async_llm",
     "EngineConfig": "pagedjax.config",
     "SamplingParams": "pagedjax.sampling_params",
+    "BeamSearchParams": "pagedjax.sampling_params",
+    "StructuredOutputsParams": "pagedjax.sampling_params",
     "RequestOutputKind": "pagedjax.sampling_params",
     "RequestOutput": "pagedjax.outputs",
     "CompletionOutput": "pagedjax.outputs",
+    "TextPrompt": "pagedjax.inputs",
+    "TokensPrompt": "pagedjax.inputs",
+    "PromptType": "pagedjax.inputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -21,36 +21,13 @@ from typing import TYPE_CHECKING
 
 from pagedjax.core.engine_request import EngineRequest
 from pagedjax.errors import InvalidRequestError
+from pagedjax.logprobs import Logprob
 from pagedjax.output_processor import TokenTexts, logprob_entry
-from pagedjax.outputs import Logprob
-from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedjax.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine
     from pagedjax.inputs import PromptType
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """vLLM's beam search parameters."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
-            raise ValueError(
-                f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (2 x beam_width candidates per "
-                f"beam are read from the logprobs), got {self.beam_width}"
-            )
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
 
 
 @dataclass
@@ -110,140 +87,165 @@ def beam_search(
             "beam_search steps the engine on its own: let its other requests finish (or abort "
             "them) first"
         )
-    core = engine.engine_core
-    tokenizer = engine.tokenizer
-    eos = tokenizer.eos_token_id
-    width = params.beam_width
     starts = [engine._tokenize(prompt)[1] for prompt in parse_prompts(prompts)]
     for ids in starts:
-        core.check_fits(len(ids), params.max_tokens, 1)
-    step_params = SamplingParams(
-        temperature=params.temperature,
-        max_tokens=params.max_tokens,
-        logprobs=2 * width,
-        ignore_eos=True,  # the beams' EOS is decided here, from the candidates
-    )
-    texts = TokenTexts(tokenizer)
-    search_id = uuid.uuid4().hex
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-    def new_request(index: int, tokens: list[int], prompt: list[int]) -> EngineRequest:
-        request = EngineRequest(
-            f"beam-{search_id}-{index}",
-            prompt,
-            step_params,
-            max_tokens=params.max_tokens,
-            seed=index,  # a sampled token is replaced by the chosen one: any seed does
-        )
-        request.all_token_ids = list(tokens)
-        request.hold_samples = True
-        return request
-
-    num_requests = 0
-    live: dict[str, _Beam] = {}
-    beams: list[list[_Beam]] = [[] for _ in starts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in starts]  # complete or at max_tokens
+        engine.engine_core.check_fits(len(ids), params.max_tokens, 1)
     slots = engine.config.max_num_seqs * len(engine.workers)
-    limit = max(1, min(concurrency_limit or len(starts), slots // width))
-    next_prompt = num_finished = 0
+    limit = max(1, min(concurrency_limit or len(starts), slots // params.beam_width))
+    search = _Search(engine, params, starts)
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(starts), desc="Beam search", dynamic_ncols=True)
+    try:
+        while search.num_finished < len(starts):
+            search.admit(limit)
+            finished = search.num_finished
+            search.step()
+            if bar is not None:
+                bar.update(search.num_finished - finished)
+    except BaseException:
+        search.core.abort_requests(list(search.live))  # leave the engine clean for the next call
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    results = search.results()
+    engine.end_call(results)
+    return results
 
-    def select(i: int) -> None:
-        """Ranks prompt i's candidates and makes the engine's sequences follow the best."""
+
+class _Search:
+    """One beam search's state over the engine's core: the live beams of each prompt, the
+    done ones, and the prompts not started yet."""
+
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams, starts: list[list[int]]):
+        self.core = engine.engine_core
+        self.tokenizer = engine.tokenizer
+        self.eos = self.tokenizer.eos_token_id
+        self.params, self.starts = params, starts
+        self.step_params = SamplingParams(
+            temperature=params.temperature,
+            max_tokens=params.max_tokens,
+            logprobs=2 * params.beam_width,
+            ignore_eos=True,  # the beams' EOS is decided here, from the candidates
+        )
+        self.texts = TokenTexts(self.tokenizer)
+        self.search_id = uuid.uuid4().hex
+        self.num_requests = 0
+        self.live: dict[str, _Beam] = {}
+        self.beams: list[list[_Beam]] = [[] for _ in starts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in starts]  # complete or at length
+        self.next_prompt = self.num_finished = 0
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(
+            beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty
+        )
+
+    def new_request(self, tokens: list[int], prompt: list[int]) -> EngineRequest:
+        self.num_requests += 1
+        request = EngineRequest(
+            f"beam-{self.search_id}-{self.num_requests}",
+            prompt,
+            self.step_params,
+            max_tokens=self.params.max_tokens,
+            seed=self.num_requests,  # a sampled token is replaced by the chosen one: any seed does
+        )
+        request.all_token_ids = list(tokens)
+        request.hold_samples = True
+        return request
+
+    def admit(self, limit: int) -> None:
+        """Starts prompts until `limit` are searched at once."""
+        while self.next_prompt < len(self.starts) and self.next_prompt - self.num_finished < limit:
+            ids = self.starts[self.next_prompt]
+            request = self.new_request(ids, ids)
+            self.core.add_request(request)
+            beam = _Beam(request, BeamSearchSequence(list(ids)), self.next_prompt)
+            self.beams[self.next_prompt] = [beam]
+            self.live[request.request_id] = beam
+            self.next_prompt += 1
+
+    def step(self) -> None:
+        """One engine step; each prompt whose live beams have all sampled then selects."""
+        num_steps = self.core.num_steps
+        outputs = self.core.step()
+        if self.core.num_steps == num_steps and not self.core.has_step_in_flight():
+            raise RuntimeError("beam search stalled: the engine scheduled no step")
+        reported = set()
+        for out in outputs:
+            beam = self.live.get(out.request_id)
+            if beam is None:
+                continue
+            if out.new_token_ids:
+                width = 2 * self.params.beam_width
+                beam.entry = logprob_entry(
+                    out.new_token_ids[0], out.logprobs, out.logprobs_row, width, self.texts
+                )
+            else:  # NaN logits ended it: the beam is dropped
+                del self.live[out.request_id]
+                self.beams[beam.prompt].remove(beam)
+            reported.add(beam.prompt)
+        for i in sorted(reported):
+            if all(beam.entry is not None for beam in self.beams[i]):
+                self.select(i)
+                if not self.beams[i]:
+                    self.num_finished += 1
+
+    def candidates(self, i: int) -> list[tuple[_Beam, int, BeamSearchSequence]]:
+        """Prompt i's extensions of its live beams, best first; those ending in EOS are done."""
         candidates = []
-        for beam in beams[i]:
+        for beam in self.beams[i]:
             for token, logprob in beam.entry.items():
                 seq = BeamSearchSequence(
                     beam.seq.tokens + [token],
                     beam.seq.logprobs + [beam.entry],
                     beam.seq.cum_logprob + logprob.logprob,
                 )
-                if token == eos and not params.ignore_eos:
+                if token == self.eos and not self.params.ignore_eos:
                     seq.finish_reason = "stop"
-                    done[i].append(seq)
+                    self.done[i].append(seq)
                 else:
                     candidates.append((beam, token, seq))
-        candidates.sort(key=lambda c: score(c[2]), reverse=True)
-        nonlocal num_requests
+        candidates.sort(key=lambda c: self.score(c[2]), reverse=True)
+        return candidates
+
+    def select(self, i: int) -> None:
+        """Ranks prompt i's candidates and makes the engine's sequences follow the best."""
         kept: list[_Beam] = []
         followed: set[str] = set()
-        for beam, token, seq in candidates[:width]:
+        for beam, token, seq in self.candidates(i)[: self.params.beam_width]:
             request = beam.request
             if request.status.finished:  # it reached max_tokens
                 seq.finish_reason = "length"
-                done[i].append(seq)
+                self.done[i].append(seq)
             elif request.request_id not in followed:
                 followed.add(request.request_id)
                 request.all_token_ids[-1] = token
                 request.held = False
                 kept.append(_Beam(request, seq, i))
             else:
-                num_requests += 1
                 tokens = request.all_token_ids[:-1] + [token]
-                child = new_request(num_requests, tokens, request.prompt_token_ids)
-                core.fork_request(request, child)
+                child = self.new_request(tokens, request.prompt_token_ids)
+                self.core.fork_request(request, child)
                 kept.append(_Beam(child, seq, i))
-        dropped = [b.request.request_id for b in beams[i] if b.request.request_id not in followed]
-        core.abort_requests(dropped)  # frees them (finished ones are ignored)
+        dropped = [
+            b.request.request_id for b in self.beams[i] if b.request.request_id not in followed
+        ]
+        self.core.abort_requests(dropped)  # frees them (finished ones are ignored)
         for request_id in dropped:
-            live.pop(request_id, None)
+            self.live.pop(request_id, None)
         for beam in kept:
-            live[beam.request.request_id] = beam
-        beams[i] = kept
+            self.live[beam.request.request_id] = beam
+        self.beams[i] = kept
 
-    try:
-        while num_finished < len(starts):
-            while next_prompt < len(starts) and next_prompt - num_finished < limit:
-                num_requests += 1
-                ids = starts[next_prompt]
-                request = new_request(num_requests, ids, ids)
-                core.add_request(request)
-                beam = _Beam(request, BeamSearchSequence(list(ids)), next_prompt)
-                beams[next_prompt] = [beam]
-                live[request.request_id] = beam
-                next_prompt += 1
-            num_steps = core.num_steps
-            outputs = core.step()
-            if core.num_steps == num_steps and not core.has_step_in_flight():
-                raise RuntimeError("beam search stalled: the engine scheduled no step")
-            reported = set()
-            for out in outputs:
-                beam = live.get(out.request_id)
-                if beam is None:
-                    continue
-                if out.new_token_ids:
-                    token = out.new_token_ids[0]
-                    beam.entry = logprob_entry(
-                        token, out.logprobs, out.logprobs_row, 2 * width, texts
-                    )
-                else:  # NaN logits ended it: the beam is dropped
-                    del live[out.request_id]
-                    beams[beam.prompt].remove(beam)
-                reported.add(beam.prompt)
-            for i in sorted(reported):
-                if all(beam.entry is not None for beam in beams[i]):
-                    select(i)
-                    if not beams[i]:
-                        num_finished += 1
-                        if bar is not None:
-                            bar.update(1)
-    except BaseException:
-        core.abort_requests(list(live))  # leave the engine clean for the next call
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    results = []
-    for i in range(len(starts)):
-        best = sorted(done[i], key=score, reverse=True)[:width]
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens)  # the prompt's and the beam's, as vLLM
-        results.append(BeamSearchOutput(best))
-    engine.end_call(results)
-    return results
+    def results(self) -> list[BeamSearchOutput]:
+        results = []
+        for done in self.done:
+            best = sorted(done, key=self.score, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens)  # the prompt's and the beam's
+            results.append(BeamSearchOutput(best))
+        return results

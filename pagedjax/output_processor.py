@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pagedjax.core.engine_request import RequestStatus, request_finished
 from pagedjax.core.sched_output import EngineCoreOutput
 from pagedjax.detokenizer import IncrementalDetokenizer
-from pagedjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedjax.logprobs import Logprob
+from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1 for the most likely token
-    decoded_token: str | None = None
+from pagedjax.logprobs import Logprob
 
 
 @dataclass

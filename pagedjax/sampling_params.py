@@ -207,3 +207,26 @@ class SamplingParams:
             or bool(self.logits_processors)
             or self.structured_outputs is not None
         )
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam search parameters."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(
+                f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (2 x beam_width candidates per "
+                f"beam are read from the logprobs), got {self.beam_width}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")

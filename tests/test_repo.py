@@ -115,3 +115,22 @@ def test_importing_the_core_imports_no_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_function_is_longer_than_a_reader_can_hold():
+    """A function past MAX_FUNCTION_LINES lines (docstring included) is split where a reader
+    would: in the packages, the benchmarks and the examples."""
+    import ast
+
+    long = []
+    for folder in ("kernels_pallas", "models", "pagedjax", "benchmarks", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
+    assert not long, "split these functions:\n" + "\n".join(long)

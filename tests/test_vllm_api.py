@@ -156,3 +156,56 @@ def test_logprobs_carry_decoded_tokens(llm):
 def test_lora_requests_are_refused_clearly(llm):
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate("w5", GREEDY, lora_request=object())
+
+
+# Where vLLM users import each name from (vLLM's own modules), and pagedjax's twin module.
+VLLM_IMPORTS = {
+    "vllm": ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+             "TextPrompt", "TokensPrompt", "PromptType"],
+    "vllm.entrypoints.llm": ["LLM"],
+    "vllm.sampling_params": ["SamplingParams", "BeamSearchParams", "RequestOutputKind",
+                             "StructuredOutputsParams"],
+    "vllm.outputs": ["RequestOutput", "CompletionOutput"],
+    "vllm.logprobs": ["Logprob"],
+    "vllm.inputs": ["TextPrompt", "TokensPrompt", "PromptType"],
+    "vllm.beam_search": ["BeamSearchSequence", "BeamSearchOutput"],
+    "vllm.v1.engine.async_llm": ["AsyncLLM"],
+}  # fmt: skip
+MOVED = {"vllm.v1.engine.async_llm": "pagedjax.async_llm"}
+
+
+def _import_table() -> dict[str, tuple[list[str], str]]:
+    """docs/vllm_compat.md's "Import paths" table: vLLM module -> (names, pagedjax module)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "vllm_compat.md").read_text()
+    section = text.split("## Import paths", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`vllm"):
+            names = [n.strip().strip("`") for n in cells[1].split(",")]
+            table[cells[0].strip("`")] = (names, cells[2].strip("`"))
+    return table
+
+
+def test_every_name_imports_from_where_vllm_users_import_it():
+    import importlib
+
+    import pagedjax
+
+    table = _import_table()
+    assert {m: names for m, (names, _) in table.items()} == VLLM_IMPORTS
+    for vllm_module, (names, module) in table.items():
+        assert module == MOVED.get(vllm_module, vllm_module.replace("vllm", "pagedjax", 1))
+        imported = importlib.import_module(module)
+        for name in names:
+            assert getattr(imported, name) is not None, f"from {module} import {name}"
+    # The same class wherever it is imported from, and pagedjax's extra top-level names.
+    from pagedjax.beam_search import BeamSearchParams as from_beam_search
+    from pagedjax.sampling_params import BeamSearchParams
+
+    assert pagedjax.BeamSearchParams is BeamSearchParams is from_beam_search
+    for name in ("AsyncLLM", "StructuredOutputsParams", "RequestOutputKind", "EngineConfig"):
+        assert getattr(pagedjax, name) is not None
+    assert set(pagedjax.__all__) >= set(VLLM_IMPORTS["vllm"])

@@ -218,6 +218,22 @@ def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
     return None if logprobs is None else jax.tree.map(lambda a: np.asarray(a)[:n], logprobs)
 
 
+def _logits_rows(
+    seqs: Sequence[ScheduledSequence], rows: Sequence[SampleRow]
+) -> tuple[list[int], list[int], list[int]]:
+    """The step's logits rows: each sample row's token, then each prompt-logprobs token's; and
+    the prompt tokens those rows score."""
+    ends = np.cumsum([len(s.token_ids) for s in seqs])
+    sample_rows = [int(ends[r.seq_index]) - 1 - r.offset for r in rows]
+    prompt_rows, targets = [], []
+    for index, seq in enumerate(seqs):
+        if seq.prompt_logprob_targets:
+            first = int(ends[index]) - len(seq.token_ids) + seq.prompt_logprobs_offset
+            prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
+            targets += seq.prompt_logprob_targets
+    return sample_rows, prompt_rows, targets
+
+
 class ModelRunner:
     """Owns the KV pool and the bucketed step; `execute` runs one scheduled step."""
 
@@ -550,24 +566,10 @@ class ModelRunner:
         then host -> device), copy-on-write copies, the forward, a sample for each row, and
         the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
         ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device."""
-        swaps_out, swaps_in = swaps
-        if swaps_out or swaps_in:
-            # Out first: a block swapped in may be one a victim of this step just left.
-            self.host_kv.copy_out(self.kv_cache, swaps_out)
-            self.kv_cache = self.host_kv.copy_in(self.kv_cache, swaps_in)
-            if self.draft_host_kv is not None:
-                self.draft_host_kv.copy_out(self.draft_cache, swaps_out)
-                self.draft_cache = self.draft_host_kv.copy_in(self.draft_cache, swaps_in)
+        self._swap(*swaps)
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
-        ends = np.cumsum([len(s.token_ids) for s in seqs])
-        sample_rows = [ends[r.seq_index] - 1 - r.offset for r in rows]
-        prompt_rows, targets = [], []
-        for index, seq in enumerate(seqs):
-            if seq.prompt_logprob_targets:
-                first = int(ends[index]) - len(seq.token_ids) + seq.prompt_logprobs_offset
-                prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
-                targets += seq.prompt_logprob_targets
+        sample_rows, prompt_rows, targets = _logits_rows(seqs, rows)
         num_rows = len(rows) + len(prompt_rows)
         tokens, positions, metadata, r_pad, copies, sources, drafted = self.prepare(
             seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows)
@@ -601,16 +603,50 @@ class ModelRunner:
         )
         prompt = None
         if prompt_rows:
-            p_pad = next_power_of_2(len(prompt_rows))
-            which = np.zeros(p_pad, np.int32)
-            which[: len(prompt_rows)] = range(len(rows), num_rows)
-            padded_targets = np.zeros(p_pad, np.int32)
-            padded_targets[: len(targets)] = targets
-            prompt = prompt_logprobs(
-                logits, which, padded_targets, num_prompt_logprobs or 0, self.sampling
-            )
+            prompt = self._prompt_logprobs(logits, len(rows), targets, num_prompt_logprobs)
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
+        out, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts)
+        return StepHandle(
+            out.token_ids,
+            out.finite,
+            out.logprobs if num_logprobs is not None else None,
+            prompt,
+            len(rows),
+            len(targets),
+            out.accepted,
+        )
+
+    def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):
+        """The step's swaps, out first: a block swapped in may be one a victim just left."""
+        if not swaps_out and not swaps_in:
+            return
+        self.host_kv.copy_out(self.kv_cache, swaps_out)
+        self.kv_cache = self.host_kv.copy_in(self.kv_cache, swaps_in)
+        if self.draft_host_kv is not None:
+            self.draft_host_kv.copy_out(self.draft_cache, swaps_out)
+            self.draft_cache = self.draft_host_kv.copy_in(self.draft_cache, swaps_in)
+
+    def _prompt_logprobs(
+        self, logits: jax.Array, first: int, targets: list[int], num_logprobs: int | None
+    ) -> TokenLogprobs:
+        """The prompt tokens' logprobs, from logits rows first.. (after the sample rows)."""
+        p_pad = next_power_of_2(len(targets))
+        which = np.zeros(p_pad, np.int32)
+        which[: len(targets)] = range(first, first + len(targets))
+        padded_targets = np.zeros(p_pad, np.int32)
+        padded_targets[: len(targets)] = targets
+        return prompt_logprobs(logits, which, padded_targets, num_logprobs or 0, self.sampling)
+
+    def _sample(
+        self,
+        logits: jax.Array,
+        rows: Sequence[SampleRow],
+        r_pad: int,
+        drafted: list,
+        drafts: jax.Array | None,
+    ) -> tuple[SamplerOutput, int | None]:
+        """A token for each sample row (verifying drafts), and the top logprobs wanted."""
         constraints = [r.constraints for r in rows]
         if any(c is not None and c.processors for c in constraints):
             logits = self._run_processors(logits, rows)
@@ -637,7 +673,7 @@ class ModelRunner:
             meta = replace(meta, draft_token_ids=verified_drafts(drafts, index))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else None
-        out: SamplerOutput = sample(
+        out = sample(
             logits,
             meta,
             self.sampling,
@@ -646,15 +682,7 @@ class ModelRunner:
             use_truncation=needs_truncation(params),
             all_greedy=all(p.greedy for p in params),
         )
-        return StepHandle(
-            out.token_ids,
-            out.finite,
-            out.logprobs if num_logprobs is not None else None,
-            prompt,
-            len(rows),
-            len(targets),
-            out.accepted,
-        )
+        return out, num_logprobs
 
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come

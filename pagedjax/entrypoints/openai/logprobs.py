@@ -15,7 +15,7 @@ from pagedjax.entrypoints.openai.protocol import (
     CompletionLogProbs,
     TopLogprob,
 )
-from pagedjax.outputs import Logprob
+from pagedjax.logprobs import Logprob
 
 # JSON has no -inf: a token the model rules out gets this logprob, as in vLLM.
 MIN_LOGPROB = -9999.0

@@ -7,7 +7,7 @@
 2. Single block operations (allocate, free, cache hit out of the middle of the free queue)
    at pool sizes from 10k to 1M blocks: their cost must not grow with the pool.
 
-Run: python benchmarks/block_manager.py [--steps N] [--repeats R] [--json PATH]
+Run: python benchmarks/block_manager.py [--steps N] [--repeats R] [--json PATH] [--smoke]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import random
 import statistics
 import time
 from pathlib import Path
+
+from report import add_smoke_flag, results_dir
 
 from pagedjax.core import BlockPool, KVCacheManager, Request
 
@@ -168,14 +170,24 @@ def _best(rows: list[dict], key: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per config; best is kept")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/block_manager.json"))
+    parser.add_argument("--steps", type=int, default=None, help="default 1500 (--smoke: 50)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs per config; best is kept (default 3)"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="default results/block_manager.json"
+    )
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.steps = args.steps or (50 if args.smoke else 1500)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.json = args.json or results_dir(args.smoke) / "block_manager.json"
 
     # 256 contexts of up to 2048 tokens need up to 32768 blocks, so a 10k pool cannot run
     # this workload; 40k is close to full (admissions evict cached blocks).
     step_sizes, op_sizes = (40_000, 1_000_000), (10_000, 100_000, 1_000_000)
+    if args.smoke:  # the smallest pools: the large ones take seconds to build
+        step_sizes, op_sizes = step_sizes[:1], op_sizes[:1]
     step_runs: dict[int, list[dict]] = {n: [] for n in step_sizes}
     op_runs: dict[int, list[dict]] = {n: [] for n in op_sizes}
     harness_runs = []

@@ -5,7 +5,7 @@ reads it); medians of --repeats runs of each kind. The console script is run fro
 interpreter's own bin directory when it is there, so a version manager's shim (pyenv) is not
 timed.
 
-    python benchmarks/cold_start.py [--prompt "..."] [--repeats 3]
+    python benchmarks/cold_start.py [--prompt "..."] [--repeats 3] [--smoke (one run of each)]
 
 Writes results/cold_start.json.
 """
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import report  # (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # (benchmarks/ is the script directory)
 
 
 def command(prompt: str) -> list[str]:
@@ -42,8 +42,12 @@ def timed(cmd: list[str], env: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompt", default="Why is the sky blue?")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs of each kind (median; default 3)"
+    )
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.smoke else 3)
 
     cmd = command(args.prompt)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
@@ -66,7 +70,7 @@ def main() -> None:
     result["cache_entries_written"] = entries
     result["cache_second_run_s"] = statistics.median(second)
     result["second_vs_no_cache"] = result["no_cache_s"] / result["cache_second_run_s"]
-    report("cold_start", result)
+    report("cold_start", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

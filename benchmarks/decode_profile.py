@@ -4,7 +4,7 @@ times the layers), attention, the LM head, the sampler and the rest (norms, rope
 loop's own cost), each timed alone at the step's shapes (a layer's op over every layer in one
 call, as the step's layer loop runs it).
 
-    python benchmarks/decode_profile.py [--context 64] [--steps 64] [--repeats 200]
+    python benchmarks/decode_profile.py [--context 64] [--steps 64] [--repeats 200] [--smoke]
 
 Medians over `--repeats` calls (device parts) or decode steps (engine parts).
 """
@@ -19,7 +19,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import sized_prompts  # noqa: E402
 
 
@@ -179,11 +179,18 @@ class _Seq:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=None, help="default 64")
+    parser.add_argument("--steps", type=int, default=None, help="default 64")
+    parser.add_argument("--repeats", type=int, default=None, help="default 200")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default 2048")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    smoke = args.smoke
+    args.context = args.context or (16 if smoke else 64)
+    # Smoke: few steps, still more than the two each median skips as warm-up (`Timed`).
+    args.steps = args.steps or (4 if smoke else 64)
+    args.repeats = args.repeats or (3 if smoke else 200)
+    args.max_model_len = args.max_model_len or (256 if smoke else 2048)
 
     from pagedjax.config import EngineConfig
     from pagedjax.engine import LLMEngine
@@ -199,7 +206,7 @@ def main() -> None:
         tag = "sync" if sync else "async"
         result.update({f"{tag}_{k}": v for k, v in parts.items()})
     result.update(device_parts(engine, args.context, args.repeats))
-    report("decode_profile", result)
+    report("decode_profile", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

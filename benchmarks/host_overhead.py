@@ -5,6 +5,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
     ... [--model DIR]   another model than the default one
+    python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
 
 Default: the real model on this machine's device; the waiting is the time blocked on the step's
 device results (the only host sync of a step), timed around a block_until_ready on the
@@ -27,12 +28,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, make_prompts  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, make_prompts, save_random_llama  # noqa: E402
 
 
 def start_requests(llm, running: int, max_tokens: int, **params) -> None:
@@ -75,10 +78,12 @@ def on_device(args) -> None:
 
     from pagedjax.worker import model_runner
 
-    llm = make_llm(args.running, args.model)
+    # Smoke: a small token budget, so few token buckets for warmup() to compile and run.
+    llm = make_llm(args.running, args.model, 64 if args.smoke else 512)
     engine = llm.llm_engine
     engine.engine_core.worker.runner.warmup()
-    start_requests(llm, args.running, 10_000 // args.running + args.steps + 64)
+    # At most what max_model_len leaves after W1's longest prompt (200 tokens).
+    start_requests(llm, args.running, min(10_000 // args.running + args.steps + 64, 512 - 200))
     for _ in range(3):  # compiles the sampler's variant for these rows
         engine.step()
 
@@ -110,6 +115,7 @@ def on_device(args) -> None:
             "host_ms_per_step": 1000 * (total - waiting) / args.steps,
             "host_share": (total - waiting) / total,
         },
+        smoke=args.smoke,
     )
 
 
@@ -124,16 +130,18 @@ def host_only(args) -> None:
     rng = np.random.default_rng(0)
     words = None  # ids of ordinary text: no newline, so the stop string never ends a request
 
-    def no_forward(params, token_ids, positions, kv_cache, *args):
+    def no_forward(params, token_ids, positions, kv_cache, *args, **options):
         return None, kv_cache
 
     def random_tokens(logits, meta, *args, **options):
         rows = meta.temperature.shape[0]
         tokens = rng.choice(words, rows).astype(np.int32)
-        return types.SimpleNamespace(token_ids=tokens, finite=np.ones(rows, bool))
+        finite = np.ones(rows, bool)
+        return types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
 
     real_sample = model_runner.sample
-    warm_steps = 30  # outputs of ~40 tokens on prompts of 25-200, as mid-generation
+    # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
+    warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         # A large budget prefills everyone in a few steps, so all requests start level and
@@ -142,7 +150,9 @@ def host_only(args) -> None:
         engine = llm.llm_engine
         if words is None:
             decode = llm.get_tokenizer().decode
-            words = np.array([i for i in range(1000, 40000) if "\n" not in decode([i])])
+            vocab_size = engine.model_config.vocab_size  # a small model's is under 40000
+            ids = range(1000, min(40000, vocab_size))
+            words = np.array([i for i in ids if "\n" not in decode([i])])
         # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
         model_runner.sample = random_tokens
         engine.engine_core.worker.runner._forward = no_forward
@@ -163,7 +173,7 @@ def host_only(args) -> None:
         result[f"{name}_us_per_row_median"] = 1e6 * median / args.running
         model_runner.sample = real_sample
         del llm, engine
-    report("host_overhead_host_only", result)
+    report("host_overhead_host_only", result, smoke=args.smoke)
 
 
 def overlap(args) -> None:
@@ -171,7 +181,8 @@ def overlap(args) -> None:
 
     result = {"running_requests": args.running, "steps": args.steps}
     for mode in ("off", "on"):
-        llm = make_llm(args.running, args.model, async_scheduling=mode == "on")
+        batched_tokens = 64 if args.smoke else 512  # as in on_device
+        llm = make_llm(args.running, args.model, batched_tokens, async_scheduling=mode == "on")
         engine = llm.llm_engine
         engine.engine_core.worker.runner.warmup()
         max_tokens = args.steps + 64
@@ -189,12 +200,12 @@ def overlap(args) -> None:
         result[f"async_{mode}_step_ms_median"] = 1000 * statistics.median(times)
         del llm, engine
     result["ratio_on_vs_off"] = result["async_on_steps_per_s"] / result["async_off_steps_per_s"]
-    report("host_overhead_overlap", result)
+    report("host_overhead_overlap", result, smoke=args.smoke)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--running", type=int, default=None, help="default 256 (--smoke: 4)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps measured")
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
@@ -202,16 +213,22 @@ def main() -> None:
         "--model", default=None, help="a model directory (default: the default model); on a "
         "GPU e.g. the one `gpu_throughput.py --model-dir DIR --build-only` saves",
     )  # fmt: skip
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.overlap:
-        args.steps = args.steps or 30
-        overlap(args)
+        modes = {overlap: 30}
     elif args.host_only:
-        args.steps = args.steps or 100
-        host_only(args)
+        modes = {host_only: 100}
+    elif args.smoke:  # every mode, so that none rots
+        modes = {on_device: 30, host_only: 100, overlap: 30}
     else:
-        args.steps = args.steps or 30
-        on_device(args)
+        modes = {on_device: 30}
+    args.running = args.running or (4 if args.smoke else 256)
+    if args.smoke and args.model is None:  # a tiny random model: no time on the device
+        args.model = str(save_random_llama(Path(tempfile.mkdtemp())))
+    for mode, steps in modes.items():
+        steps = args.steps or (3 if args.smoke else steps)
+        mode(argparse.Namespace(**{**vars(args), "steps": steps}))
 
 
 if __name__ == "__main__":

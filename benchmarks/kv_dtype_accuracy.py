@@ -5,18 +5,20 @@ with each KV dtype (weights and activations stay float32); we compare every posi
 with the float32 pool's (max and mean absolute error, top-1 agreement) and the free-running
 greedy tokens (how many of the first N match).
 
-    python benchmarks/kv_dtype_accuracy.py [--prompts 8] [--tokens 48]
+    python benchmarks/kv_dtype_accuracy.py [--prompts 8] [--tokens 48] [--model DIR]
+        [--smoke (a tiny random model unless --model, 2 prompts x 4 tokens)]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, save_random_llama  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -32,9 +34,15 @@ PROMPTS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=None, help="default 8 (--smoke: 2)")
+    parser.add_argument("--tokens", type=int, default=None, help="default 48 (--smoke: 4)")
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
+    args.prompts = args.prompts or (2 if args.smoke else 8)
+    args.tokens = args.tokens or (4 if args.smoke else 48)
 
     import jax.numpy as jnp
     import numpy as np
@@ -49,8 +57,8 @@ def main() -> None:
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    config, params = load_model(None)
-    tokenizer = load_tokenizer(None)
+    config, params = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
     prompts = [
         tokenizer.encode(
             tokenizer.apply_chat_template(
@@ -121,7 +129,7 @@ def main() -> None:
         result[f"{name}_top1_agreement"] = float(top1)
         result[f"{name}_greedy_tokens_before_divergence_mean"] = float(np.mean(matching))
         result[f"{name}_sequences_identical"] = sum(m == args.tokens for m in matching)
-    report("kv_dtype_accuracy", result)
+    report("kv_dtype_accuracy", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

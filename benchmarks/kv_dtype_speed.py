@@ -9,7 +9,8 @@ over the tokens they produced. Repeats take turns across dtypes, so a busy host 
 them alike. Reports the median over repeats and its ratio to float32 at the same context.
 
     python benchmarks/kv_dtype_speed.py [--contexts 64,4096,8192] [--tokens 16] [--repeats 3]
-        [--dtypes float32,bfloat16,float16,fp8] [--attention-backend auto]
+        [--dtypes float32,bfloat16,float16,fp8] [--attention-backend auto] [--model DIR]
+        [--smoke (a tiny random model unless --model, contexts 16,48, 2 tokens, 1 repeat)]
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, sized_prompts  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, save_random_llama, sized_prompts  # noqa: E402
 
 
 def decode_ms_per_token(engine, prompt: list[int], tokens: int, request_id: str) -> float:
@@ -49,12 +51,23 @@ def decode_ms_per_token(engine, prompt: list[int], tokens: int, request_id: str)
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", default="64,4096,8192", help="prompt tokens, ascending")
-    parser.add_argument("--tokens", type=int, default=16, help="decode steps timed per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--contexts", default=None, help="prompt tokens, ascending (default 64,4096,8192)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="decode steps timed per repeat (default 16)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="default 3")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16,fp8")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.contexts = args.contexts or ("16,48" if args.smoke else "64,4096,8192")
+    args.tokens = args.tokens or (2 if args.smoke else 16)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
     contexts = sorted(int(c) for c in args.contexts.split(","))
     dtypes = args.dtypes.split(",")
 
@@ -65,6 +78,7 @@ def main() -> None:
     engines = {}
     for dtype in dtypes:
         config = EngineConfig(
+            model=args.model,
             max_model_len=max_model_len,
             # Two requests' worth: a repeat's new blocks never evict the cached prompt.
             num_kv_blocks=kv_blocks(2, max_model_len),
@@ -100,7 +114,7 @@ def main() -> None:
             result[f"ctx{n}_{dtype}_runs_ms"] = [round(x, 1) for x in runs[dtype, n]]
             if dtype != dtypes[0]:
                 result[f"ctx{n}_{dtype}_vs_{dtypes[0]}"] = ms / base
-    report("kv_dtype_speed", result)
+    report("kv_dtype_speed", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

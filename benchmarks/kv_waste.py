@@ -16,7 +16,7 @@ block, the most recently admitted request is preempted (freed, recomputed later)
 
 effective use = sum over steps of live KV tokens / sum over steps of reserved slots.
 
-Run: python benchmarks/kv_waste.py [--requests N] [--seed S]
+Run: python benchmarks/kv_waste.py [--requests N] [--seed S] [--out DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from report import add_smoke_flag, results_dir
+
 from pagedjax.core import KVCacheManager, Request
 
 MAX_MODEL_LEN = 2048
 BUDGET_TOKENS = 64 * MAX_MODEL_LEN  # KV slots: e.g. 16 GiB at 128 KiB/token (Llama-3-8B)
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,14 @@ def _mean(values: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=1000)
+    # Smoke: the fewest requests that still fill the budget and preempt.
+    parser.add_argument("--requests", type=int, default=None, help="default 1000 (--smoke: 500)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="default results/")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.requests = args.requests or (500 if args.smoke else 1000)
+    args.out = args.out or results_dir(args.smoke)
 
     jobs = make_workload(args.requests, args.seed)
     print(

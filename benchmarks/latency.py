@@ -2,7 +2,8 @@
 driven directly (add the requests whose arrival time has come, then step).
 
     python benchmarks/latency.py [--rates 0.5,1,2,4] [--requests 8] [--tokens 64]
-        [--max-num-batched-tokens 512] [--max-num-seqs 32] [--seed 0]
+        [--max-num-batched-tokens 512] [--max-num-seqs 32] [--seed 0] [--model DIR]
+        [--smoke (a tiny random model unless --model, 2 requests of 4 tokens at 2 rates)]
 
 Each rate gets its own --requests W1-style chat prompts (25-200 tokens, greedy, exactly --tokens
 new tokens). Reports TTFT (arrival to first token) and TPOT (time per output token after the
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
-from report import RESULTS, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, make_prompts, poisson_arrivals  # noqa: E402
+from report import add_smoke_flag, report, results_dir  # noqa: E402  (the script directory)
+from workloads import kv_blocks, make_prompts, poisson_arrivals, save_random_llama  # noqa: E402
 
 
 def run_rate(engine, prompts, arrivals, tokens: int, tag: str) -> dict:
@@ -56,7 +58,7 @@ def run_rate(engine, prompts, arrivals, tokens: int, tag: str) -> dict:
     return summary
 
 
-def plot(rates: list[float], per_rate: list[dict]) -> None:
+def plot(rates: list[float], per_rate: list[dict], smoke: bool) -> None:
     try:
         import matplotlib
 
@@ -79,9 +81,9 @@ def plot(rates: list[float], per_rate: list[dict]) -> None:
         ax.legend()
     fig.suptitle("pagedjax latency vs Poisson request rate (CPU)")
     fig.tight_layout()
-    RESULTS.mkdir(exist_ok=True)
-    fig.savefig(RESULTS / "latency.png", dpi=100)
-    print(f"wrote {RESULTS / 'latency.png'}")
+    path = results_dir(smoke) / "latency.png"
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -92,13 +94,21 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(
+            rates="20,40", requests=2, tokens=4, max_num_batched_tokens=64, max_num_seqs=4
+        )
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
 
     from pagedjax.llm import LLM
 
     rates = [float(r) for r in args.rates.split(",")]
     llm = LLM(
-        None,
+        args.model,
         max_model_len=512,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -122,8 +132,8 @@ def main() -> None:
         engine.engine_core.worker.runner.num_compilations - compiled
     )
     result["preemptions"] = engine.engine_core.scheduler.num_preemptions
-    report("latency", result)
-    plot(rates, per_rate)
+    report("latency", result, smoke=args.smoke)
+    plot(rates, per_rate, args.smoke)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ with as many threads as JAX's CPU client uses here.
 
     python benchmarks/latency_vs_llamacpp.py [--long 7900] [--tokens 64] [--threads 2]
         [--repeats 2] [--kv-cache-dtypes auto,float16]
+        [--smoke (one engine, prompts of 16 and 64 tokens, 4 decoded, one run; llama.cpp if
+        installed)]
 
 Both read the same prompt token ids; decode is greedy (argmax) for both; runs take turns and
 medians are quoted. llama.cpp keeps an f16 KV cache; pagedjax runs with each KV dtype asked
@@ -21,7 +23,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import sized_prompts  # noqa: E402
 
 
@@ -75,6 +77,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtypes", default="auto,float16", help="pagedjax engines (llama.cpp: f16)"
     )
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(short=16, long=64, tokens=4, repeats=1, kv_cache_dtypes="auto")
     args = parser.parse_args()
 
     from models.loader import resolve_model_path
@@ -87,7 +92,8 @@ def main() -> None:
         # No prefix caching: every run prefills its whole prompt, as llama.cpp's eval does.
         config = EngineConfig(
             max_model_len=max_len,
-            kv_cache_memory_bytes=2 << 30,
+            # A smoke run's short contexts fit a small pool, quicker to allocate and fill.
+            kv_cache_memory_bytes=(64 << 20) if args.smoke else 2 << 30,
             kv_cache_dtype=dtype,
             enable_prefix_caching=False,
         )
@@ -133,7 +139,7 @@ def main() -> None:
                     result[f"{name}_{kind}_prefill_tok_per_s"]
                     / result[f"llamacpp_{kind}_prefill_tok_per_s"]
                 )
-    report("latency_vs_llamacpp", result)
+    report("latency_vs_llamacpp", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ matmul) and over the plain float32 weights `load_model(None)` gives a trainer to
 differentiate (the blocks dequantized, which is exact). Also: the dense forward's and its
 gradient's time with each set of kernels.
 
-    python benchmarks/logprob_gap.py [--prompts 8] [--tokens 64]
+    python benchmarks/logprob_gap.py [--prompts 8] [--tokens 64] [--model DIR]
+        [--smoke (a tiny random model unless --model, 2 prompts of 4 tokens, one timing)]
 
 Writes results/logprob_gap.json.
 """
@@ -21,19 +22,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, chat_ids  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import TOPICS, chat_ids, save_random_llama  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(prompts=2, tokens=4)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
+    repeats = 1 if args.smoke else 3  # timings of the dense forward and gradient (median)
 
     import jax
     import jax.numpy as jnp
@@ -44,11 +53,14 @@ def main() -> None:
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    _, float32_params = load_model(None)
-    result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "temperature": 1.0}
+    _, float32_params = load_model(args.model)
+    result: dict = {
+        "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        "temperature": 1.0,
+    }
     for mode in ("default", "batch_invariant"):
         invariant = mode == "batch_invariant"
-        llm = LLM(max_model_len=512, batch_invariant=invariant)
+        llm = LLM(args.model, max_model_len=512, batch_invariant=invariant)
         config = llm.llm_engine.model_config
         kernels = llm.dense_kernels() if invariant else XLA_KERNELS
         tokenizer = llm.get_tokenizer()
@@ -86,7 +98,7 @@ def main() -> None:
             result[f"{mode}_{name}_max_abs_gap"] = float(gap.max())
             result[f"{mode}_{name}_median_abs_gap"] = float(np.median(gap))
 
-        # What a trainer pays: the forward and its gradient over the same batch, medians of 3.
+        # What a trainer pays: the forward and its gradient over the same batch (medians).
         def loss(params, config=config, token_ids=token_ids, kernels=kernels):
             return -jnp.mean(token_logprobs(params, config, token_ids, kernels))
 
@@ -96,13 +108,13 @@ def main() -> None:
         ):
             jax.block_until_ready(fn(float32_params))
             times = []
-            for _ in range(3):
+            for _ in range(repeats):
                 start = time.perf_counter()
                 jax.block_until_ready(fn(float32_params))
                 times.append(time.perf_counter() - start)
             result[f"{mode}_dense_{what}_s"] = float(np.median(times))
         del llm
-    report("logprob_gap", result)
+    report("logprob_gap", result, smoke=args.smoke)
     for key in (k for k in result if k.endswith("_gap")):  # the table's 3 decimals show 0.000
         print(f"{key}  {result[key]:.2e}")
 

@@ -1,7 +1,8 @@
 """Load time, first-step compile time and batch-1 decode latency of the default model on the
 engine, with transformers running the same greedy decode in the same process for the ratio.
 
-    python benchmarks/model_timing.py [--tokens 64] [--repeats 3] [--skip-peer]
+    python benchmarks/model_timing.py [--tokens 64] [--repeats 3] [--skip-peer] [--model PATH]
+        [--smoke (a tiny random model unless --model, 4 tokens, one repeat)]
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, save_random_llama  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -39,7 +41,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument("--model", default=None, help="a model directory or .gguf file")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(tokens=4, repeats=1)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
 
     start = time.perf_counter()
     from models.loader import resolve_model_path
@@ -48,7 +56,9 @@ def main() -> None:
 
     imported = time.perf_counter()
     # The engine loads the model itself: only then does it keep a GGUF's quantized weights.
-    engine = LLMEngine(EngineConfig(max_model_len=1024, num_kv_blocks=kv_blocks(1, 4096)))
+    engine = LLMEngine(
+        EngineConfig(args.model, max_model_len=1024, num_kv_blocks=kv_blocks(1, 4096))
+    )
     built = time.perf_counter()
     tokenizer = engine.tokenizer
 
@@ -74,11 +84,15 @@ def main() -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(None).path
+        files = resolve_model_path(args.model)
         t0 = time.perf_counter()
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        if files.is_gguf:
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(files.path.parent), gguf_file=files.path.name, dtype=torch.float32
+            )
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32)
+        hf.eval()
         result["peer_load_s"] = time.perf_counter() - t0
         ids = torch.tensor([prompt_ids])
         per_token = []
@@ -102,7 +116,7 @@ def main() -> None:
             result["peer_decode_ms_per_token_median"] / result["decode_ms_per_token_median"]
         )
 
-    report("model_timing", result)
+    report("model_timing", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ it, the evicted blocks come back from host memory.
 
     python benchmarks/multiturn.py [--conversations 64] [--turns 4] [--tokens 16]
         [--system-tokens 64] [--history-tokens 384] [--pool-conversations 16]
-        [--arrival-rate 2] [--think-s 20] [--seed 0]
+        [--arrival-rate 2] [--think-s 20] [--seed 0] [--model DIR]
+        [--smoke (a tiny random model unless --model, 3 short conversations of 2 turns)]
 
 Reports per mode: time to first token p50/p99 of returning turns (turn >= 2) and of first
 turns, output tokens/s over the run, the run's length, prefix-cache hit rates per tier; the
@@ -25,13 +26,20 @@ import argparse
 import heapq
 import os
 import random
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, kv_blocks, poisson_arrivals, system_prompt  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import (  # noqa: E402
+    TOPICS,
+    kv_blocks,
+    poisson_arrivals,
+    save_random_llama,
+    system_prompt,
+)
 
 
 def notes(tokenizer, index: int, num_tokens: int) -> str:
@@ -111,7 +119,16 @@ def main() -> None:
     parser.add_argument("--arrival-rate", type=float, default=2.0, help="conversations/s")
     parser.add_argument("--think-s", type=float, default=20.0, help="mean pause between turns")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(
+            conversations=3, turns=2, tokens=4, system_tokens=16, history_tokens=48,
+            pool_conversations=1, arrival_rate=50.0, think_s=0.05,
+        )  # fmt: skip
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
 
     from pagedjax import LLM
 
@@ -123,6 +140,7 @@ def main() -> None:
     }
     for name, swap_space in (("off", 0.0), ("on", 4.0)):
         llm = LLM(
+            args.model,
             max_model_len=longest,
             num_kv_blocks=kv_blocks(args.pool_conversations, longest),
             swap_space=swap_space,
@@ -133,7 +151,7 @@ def main() -> None:
     result["returning_ttft_p50_off_over_on"] = (
         result["off_returning_ttft_p50_s"] / result["on_returning_ttft_p50_s"]
     )
-    report("multiturn", result)
+    report("multiturn", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

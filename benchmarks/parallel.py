@@ -2,7 +2,7 @@
 against one device's, and the collectives each compiled step holds.
 
     python benchmarks/parallel.py [--configs 1x1,3x1,1x2] [--requests 32] [--tokens 128]
-        [--model DIR]
+        [--model DIR] [--smoke (a tiny random model unless --model, 1x1,2x1,1x2, 2 x 4 tokens)]
 
 Each config is TxD (tensor_parallel_size x data_parallel_size); the CPU gets as many devices
 as the largest needs (XLA_FLAGS=--xla_force_host_platform_device_count, set before JAX
@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
+
+from report import add_smoke_flag, report  # (benchmarks/ is the script directory)
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -29,6 +32,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        # The tiny model's 4 query and 2 KV heads split over 2 devices.
+        parser.set_defaults(configs="1x1,2x1,1x2", requests=2, tokens=4)
     args = parser.parse_args()
     configs = parse_configs(args.configs)
     devices = max(t * d for t, d in configs)
@@ -36,17 +43,20 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    from report import report  # benchmarks/ is the script directory
-    from workloads import kv_blocks, make_prompts
+    from workloads import kv_blocks, make_prompts, save_random_llama
 
     from models.tensor_parallel import count_collectives
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
     result: dict = {"workload": f"W1: {args.requests} prompts x {args.tokens} tokens, greedy"}
     result["devices"] = devices
     base_tokens = None
     base_rate = None
+    # A smoke run's few prompts need only a small step budget: fewer step shapes to compile.
+    budget = {"max_num_batched_tokens": 64} if args.smoke else {}
     for t, d in configs:
         llm = LLM(
             args.model,
@@ -55,6 +65,7 @@ def main() -> None:
             block_size=64,
             tensor_parallel_size=t,
             data_parallel_size=d,
+            **budget,
         )
         engine = llm.llm_engine
         prompts = make_prompts(llm.get_tokenizer(), args.requests)
@@ -81,7 +92,7 @@ def main() -> None:
                 counts = {k: v for k, v in count_collectives(text).items() if v}
                 result[f"{key}_collectives_step_{bucket}_tokens"] = counts
         del llm, engine
-    report("parallel", result)
+    report("parallel", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Paper estimate of tensor-parallel communication against compute for Llama 3 8B/70B on H200s.
 
     python benchmarks/parallel_estimate.py [--markdown] [--busbw-gbs 360] [--latency-us 10]
+        [--smoke (the same run: it is arithmetic, done in a moment)]
 
 Sharding, as pagedjax does it (Megatron-style): q/k/v and gate/up are column-parallel, o_proj
 and down_proj row-parallel, so each decoder layer does 2 all-reduces of the activations
@@ -29,6 +30,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from report import add_smoke_flag  # (benchmarks/ is the script directory)
 
 BF16 = 2
 FP32 = 4
@@ -191,6 +194,7 @@ def main() -> None:
     ap.add_argument("--busbw-gbs", type=float, default=360.0, help="NCCL bus bandwidth, GB/s")
     ap.add_argument("--latency-us", type=float, default=10.0, help="floor per collective, µs")
     ap.add_argument("--mem-util", type=float, default=0.9, help="share of HBM for weights+KV")
+    add_smoke_flag(ap)  # changes nothing: the estimate takes a moment and writes no file
     args = ap.parse_args()
     hw = Hardware(989e12, 4.8e12, 141e9, args.busbw_gbs * 1e9, args.latency_us * 1e-6)
     models, md = (LLAMA3_8B, LLAMA3_70B), args.markdown

@@ -4,7 +4,8 @@ n = 8 should hold far fewer KV blocks than 8x the n = 1 run. Prefix caching is o
 the fork shares blocks.
 
     python benchmarks/parallel_sampling.py [--prompts 4] [--prompt-tokens 256] [--tokens 64]
-        [--ns 1,4,8] [--max-num-seqs 64]
+        [--ns 1,4,8] [--max-num-seqs 64] [--model DIR]
+        [--smoke (a tiny random model unless --model, 2 prompts x 80 tokens, n = 1 and 4)]
 
 Reports per n: peak KV blocks in use (sampled after every step), output tokens/s over all
 samples, and peak blocks / (n x peak blocks at n = 1). Writes results/parallel_sampling.json.
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, sized_prompts  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, save_random_llama, sized_prompts  # noqa: E402
 
 
 def run(engine, prompts: list[list[int]], n: int, tokens: int, tag: str) -> tuple[int, int, float]:
@@ -47,13 +49,22 @@ def main() -> None:
     parser.add_argument("--ns", default="1,4,8")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(
+            prompts=2, prompt_tokens=80, tokens=4, ns="1,4", max_num_batched_tokens=64,
+            max_num_seqs=8,
+        )  # fmt: skip
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama(tempfile.mkdtemp()))
 
     from pagedjax.llm import LLM
 
     ns = [int(n) for n in args.ns.split(",")]
     llm = LLM(
-        None,
+        args.model,
         max_model_len=args.prompt_tokens + args.tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -84,7 +95,7 @@ def main() -> None:
         engine.engine_core.worker.runner.num_compilations - compiled
     )
     result["preemptions"] = engine.engine_core.scheduler.num_preemptions
-    report("parallel_sampling", result)
+    report("parallel_sampling", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

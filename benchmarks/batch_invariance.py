@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,7 +42,7 @@ def main() -> None:
     # New tokens of batch-1 decode, W1 prompts, W1's new tokens each, long decode's tokens.
     decode_n, w1_n, batch_n, long_n = (4, 4, 4, 4) if args.smoke else (128, 32, 64, 32)
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
 
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams

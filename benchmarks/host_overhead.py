@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -225,7 +223,7 @@ def main() -> None:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)
     if args.smoke and args.model is None:  # a tiny random model: no time on the device
-        args.model = str(save_random_llama(Path(tempfile.mkdtemp())))
+        args.model = str(save_random_llama())
     for mode, steps in modes.items():
         steps = args.steps or (3 if args.smoke else steps)
         mode(argparse.Namespace(**{**vars(args), "steps": steps}))

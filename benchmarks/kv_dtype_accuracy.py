@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -40,7 +39,7 @@ def main() -> None:
     add_smoke_flag(parser)
     args = parser.parse_args()
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
     args.prompts = args.prompts or (2 if args.smoke else 8)
     args.tokens = args.tokens or (4 if args.smoke else 48)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -67,7 +66,7 @@ def main() -> None:
     args.tokens = args.tokens or (2 if args.smoke else 16)
     args.repeats = args.repeats or (1 if args.smoke else 3)
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
     contexts = sorted(int(c) for c in args.contexts.split(","))
     dtypes = args.dtypes.split(",")
 

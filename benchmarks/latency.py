@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -102,7 +101,7 @@ def main() -> None:
         )
     args = parser.parse_args()
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
 
     from pagedjax.llm import LLM
 

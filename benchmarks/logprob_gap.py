@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -41,7 +40,7 @@ def main() -> None:
         parser.set_defaults(prompts=2, tokens=4)
     args = parser.parse_args()
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
     repeats = 1 if args.smoke else 3  # timings of the dense forward and gradient (median)
 
     import jax

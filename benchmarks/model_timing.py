@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -47,7 +46,7 @@ def main() -> None:
         parser.set_defaults(tokens=4, repeats=1)
     args = parser.parse_args()
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
 
     start = time.perf_counter()
     from models.loader import resolve_model_path

@@ -26,7 +26,6 @@ import argparse
 import heapq
 import os
 import random
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -128,7 +127,7 @@ def main() -> None:
         )  # fmt: skip
     args = parser.parse_args()
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
 
     from pagedjax import LLM
 

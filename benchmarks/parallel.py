@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 from report import add_smoke_flag, report  # (benchmarks/ is the script directory)
@@ -50,7 +49,7 @@ def main() -> None:
     from pagedjax.sampling_params import SamplingParams
 
     if args.smoke and args.model is None:
-        args.model = str(save_random_llama(tempfile.mkdtemp()))
+        args.model = str(save_random_llama())
     result: dict = {"workload": f"W1: {args.requests} prompts x {args.tokens} tokens, greedy"}
     result["devices"] = devices
     base_tokens = None

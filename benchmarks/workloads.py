@@ -108,7 +108,7 @@ def system_prompt(tokenizer, num_tokens: int = 1024) -> str:
 
 
 def save_random_llama(
-    path: Path,
+    path: Path | None = None,
     *,
     vocab_size: int = 2048,
     hidden_size: int = 64,
@@ -121,7 +121,27 @@ def save_random_llama(
 ) -> Path:
     """A random-weight Llama saved at `path` with the tests' word-level tokenizer (text "w5 w9"
     is ids [5, 9]): the defaults are a model whose device work is negligible, for host-cost
-    measurements and smoke runs. chat_template: a plain one, so chat workloads run too."""
+    measurements and smoke runs. chat_template: a plain one, so chat workloads run too.
+    path None: a folder in the system's temporary directory named by the arguments, saved once
+    and reused (importing torch and transformers to build it costs more than most smoke runs)."""
+    shape = {k: v for k, v in locals().items() if k != "path"}  # the arguments, before any other
+    if path is None:
+        import hashlib
+        import os
+        import tempfile
+
+        key = hashlib.sha256(repr(sorted(shape.items())).encode()).hexdigest()[:16]
+        cached = Path(tempfile.gettempdir()) / f"pagedjax-random-llama-{key}"
+        if not cached.is_dir():
+            building = Path(tempfile.mkdtemp(dir=cached.parent))
+            save_random_llama(building, **shape)
+            try:  # atomic: a concurrent run that got there first wins
+                os.rename(building, cached)
+            except OSError:
+                import shutil
+
+                shutil.rmtree(building, ignore_errors=True)
+        return cached
     import torch
     import transformers
 

@@ -9,6 +9,7 @@ with EOS switched off), greedy.
 
     python benchmarks/gpu_throughput.py [--requests 256] [--prompt-len 128] [--tokens 128]
         [--peer-batch 256] [--out DIR] [--model-dir DIR [--build-only]]
+        [--smoke (engine and peer on the CPU: the tiny random Llama, 4 requests x 4 tokens)]
 
 Prints output tokens/s of both and the ratio; writes gpu_throughput.json under --out.
 """
@@ -25,28 +26,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from report import add_smoke_flag, results_dir  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import save_random_llama  # noqa: E402
+
 
 def build_model(path: Path, num_layers: int) -> None:
-    """A random Llama of SmolLM2-135M's shape, saved in bf16 with a word-level tokenizer."""
-    import torch
-    import transformers
-
-    from tests.conftest import build_tiny_tokenizer
-
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=num_layers,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
+    """A random Llama of SmolLM2-135M's shape, saved in bf16 with a word-level tokenizer and a
+    chat template (host_overhead.py --model runs chat prompts on it)."""
+    save_random_llama(
+        path, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=num_layers,
+        num_heads=9, num_kv_heads=3, dtype="bfloat16",
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer = build_tiny_tokenizer(config.vocab_size)
-    # The workloads' chat prompts (host_overhead.py --model) need a template; words it does not
-    # know become one id, which is all a random model needs.
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(path)
 
 
 def run_engine(path: Path, prompts: list[list[int]], tokens: int) -> dict:
@@ -118,22 +108,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--peer-batch", type=int, default=256)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results")
     parser.add_argument("--model-dir", type=Path, default=None, help="save (or reuse) it here")
     parser.add_argument("--build-only", action="store_true", help="save the model and stop")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
+        parser.set_defaults(requests=4, prompt_len=8, tokens=4, layers=1, peer_batch=4)
     args = parser.parse_args()
+    args.out = args.out or results_dir(args.smoke)
 
     import jax
     import numpy as np
 
-    path = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
-    if not (path / "config.json").exists():
-        build_model(path, args.layers)
+    if args.smoke and args.model_dir is None:
+        path = save_random_llama()  # cached, and a shape the CPU runs in seconds
+    else:
+        path = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
+        if not (path / "config.json").exists():
+            build_model(path, args.layers)
     if args.build_only:
         print(f"saved {path}")
         return
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
-    prompts = rng.integers(3, 49152, (args.requests, args.prompt_len)).tolist()
+    prompts = rng.integers(3, vocab_size, (args.requests, args.prompt_len)).tolist()
     result = dict(
         device=jax.devices()[0].device_kind, requests=args.requests,
         prompt_len=args.prompt_len, tokens=args.tokens, layers=args.layers,

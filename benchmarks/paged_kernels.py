@@ -2,6 +2,7 @@
 the XLA (pure jnp) reference, in one run, on one device.
 
     python benchmarks/paged_kernels.py --out DIR [--iters 20] [--quick] [--large-pool[-only]]
+        [--tiny] [--smoke (--tiny --quick --iters 2: a CPU run of seconds; --out optional)]
 
 Decode batches (batch x context) 1x32k, 16x4k, 64x2k, 256x1k with 32 query heads, 8 KV heads,
 head_dim 128, bf16 (and fp8 for our kernel), page size 16; plus a mixed step of prefill chunks
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from report import add_smoke_flag, results_dir  # noqa: E402  (the script's own directory)
 
 from kernels_pallas.decode_attention import (  # noqa: E402
     DecodeConfig,
@@ -284,7 +286,12 @@ def bundled_peer(
     width = -(-tables.shape[1] // (k_splits * 8)) * (k_splits * 8)
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
     lengths = metadata.seq_lens
-    fn = jax.jit(lambda q, k, v, t, n: peer.paged_attention(q, k, v, t, n, k_splits=k_splits))
+    interpret = jax.default_backend() != "gpu"  # the CPU smoke run: Pallas runs interpreted
+    fn = jax.jit(
+        lambda q, k, v, t, n: peer.paged_attention(
+            q, k, v, t, n, k_splits=k_splits, interpret=interpret
+        )
+    )
     return fn, (q, k_pages, v_pages, tables, lengths)
 
 
@@ -391,7 +398,7 @@ def max_error(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="required unless --smoke")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no fp8")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the script itself")
@@ -403,7 +410,14 @@ def main() -> None:
     parser.add_argument(
         "--large-pool-only", action="store_true", help="only the --large-pool cases"
     )
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # gpu_check's CPU dry run of this script; flags win
+        parser.set_defaults(tiny=True, quick=True, iters=2)
     args = parser.parse_args()
+    if args.out is None:
+        if not args.smoke:
+            parser.error("--out is required")
+        args.out = results_dir(smoke=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
     device = jax.devices()[0]

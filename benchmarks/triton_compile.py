@@ -9,12 +9,16 @@ instructions chosen (`wgmma` on Hopper, `mma.sync` before it) and whether the KV
 software-pipelined (`cp.async`). jaxlib builds its own Triton, so the numbers are a close
 estimate, not the GPU's own.
 
+    python benchmarks/triton_compile.py [--kernels ragged,decode] [--capability 90]
+        [--head-dim 128] [--group 4] [--kv-dtype bfloat16] [--smoke (head_dim 64, group 2)]
+
 A developer tool, not part of the runtime package (it imports jaxlib's private `jax._src`):
 `benchmarks/triton_resources.py` and `tests/test_triton_compile.py` use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -256,3 +260,44 @@ def compile_kernel(kernel: str, capability: int = 90, **shapes) -> CompiledKerne
     """`lower_for_cuda(kernel, capability=capability, **shapes)`, compiled for that SM."""
     [triton_kernel] = triton_kernels(lower_for_cuda(kernel, capability=capability, **shapes))
     return compile_for_sm(triton_kernel, capability)
+
+
+def main() -> None:
+    # Imported here: tests import this module as `benchmarks.triton_compile` too.
+    from report import add_smoke_flag, report, skip
+
+    parser = argparse.ArgumentParser(
+        description="Compiles the kernels for one SM; prints their resource use."
+    )
+    parser.add_argument("--kernels", default="ragged,decode")
+    parser.add_argument("--capability", type=int, default=90)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--kv-dtype", default="bfloat16")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path at the smallest head; flags still win
+        parser.set_defaults(head_dim=64, group=2)
+    args = parser.parse_args()
+    try:
+        import triton
+    except ImportError:
+        if args.smoke:
+            skip("needs the triton package (Linux x86-64 wheels)")
+        raise
+    result: dict[str, Any] = {"triton": triton.__version__}
+    for kernel in args.kernels.split(","):
+        compiled = compile_kernel(
+            kernel,
+            args.capability,
+            kv_dtype=jnp.dtype(args.kv_dtype),
+            head_dim=args.head_dim,
+            group=args.group,
+        )
+        for key, value in dataclasses.asdict(compiled).items():
+            result[f"{kernel}_{key}"] = value
+        result[f"{kernel}_blocks_per_sm"] = compiled.blocks_per_sm
+    report("triton_compile", result, smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,8 @@
 and compiled to a cubin by the `triton` package for sm_90 (H100/H200) and sm_80 (A100), at the
 shapes the engine and `benchmarks/paged_kernels.py` run (see benchmarks/triton_compile.py).
 
-    python benchmarks/triton_resources.py [--out benchmarks/results]
+    python benchmarks/triton_resources.py [--out benchmarks/results] [--capabilities 90,80]
+        [--smoke (one shape and one tuning candidate, sm_90 only)]
 
 Per kernel: registers per thread, spilled bytes per thread, shared memory per program,
 programs resident per SM, tensor-core instructions (wgmma / mma.sync) and asynchronous KV
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
 from paged_kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, results_dir, skip  # noqa: E402
 from triton_compile import compile_kernel  # noqa: E402
 
 from kernels_pallas.decode_attention import DecodeConfig  # noqa: E402
@@ -86,11 +88,22 @@ def print_row(row: dict, name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results")
     parser.add_argument("--capabilities", default="90,80")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:  # the same path for one SM; flags still win
+        parser.set_defaults(capabilities="90")
     args = parser.parse_args()
-
-    import triton
+    args.out = args.out or results_dir(args.smoke)
+    try:
+        import triton
+    except ImportError:
+        if args.smoke:
+            skip("needs the triton package (Linux x86-64 wheels)")
+        raise
+    # A smoke run compiles the default model's bf16 shape and the first tuning candidate.
+    shapes = SHAPES[1:2] if args.smoke else SHAPES
+    variants_of = {"ragged": TUNING_VARIANTS["ragged"]} if args.smoke else TUNING_VARIANTS
 
     capabilities = [int(c) for c in args.capabilities.split(",")]
     rows = []
@@ -99,13 +112,13 @@ def main() -> None:
         f"{'smem KiB':>8} {'per SM':>6} {'wgmma':>5} {'mma':>4} {'cp.async':>8}"
     )
     print(f"triton {triton.__version__}\n{header}")
-    for label, head_dim, group, kv_dtype in SHAPES:
+    for label, head_dim, group, kv_dtype in shapes:
         for kernel in ("ragged", "decode"):
             for capability in capabilities:
                 rows.append(compile_row(label, head_dim, group, kv_dtype, kernel, capability))
                 print_row(rows[-1], kernel)
     # The tuning candidates benchmarks/paged_kernels.py times on a GPU, at its bf16 shape.
-    for kernel, variants in TUNING_VARIANTS.items():
+    for kernel, variants in variants_of.items():
         for name, config in variants.items():
             for capability in capabilities:
                 row = compile_row("Llama-3-8B", 128, 4, jnp.bfloat16, kernel, capability, config)

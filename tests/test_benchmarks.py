@@ -19,7 +19,10 @@ from report import SKIP_EXIT, SMOKE_RESULTS_ENV  # noqa: E402  (benchmarks/ is n
 # Modules the scripts import, with no run of their own.
 LIBRARIES = {"report", "workloads"}
 # Scripts another test runs already.
-RUN_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py runs gpu_check.sh's dry run, which runs it"}
+RUN_ELSEWHERE = {
+    "gpu_check": "tests/test_gpu_check.py runs gpu_check.sh's dry run, which runs it",
+    "paged_kernels": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",
+}
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in LIBRARIES)
 
 

@@ -3,6 +3,7 @@ tokens, max_tokens 16-512, greedy, ignore_eos) on the default model with a KV po
 about a quarter of the requests at once, so requests are preempted again and again.
 
     python benchmarks/swap.py [--requests 16] [--pool-requests 4]
+        [--smoke (4 requests cut to 30-token prompts and 8 tokens, 16-token blocks)]
 
 Prints output tokens/s, preemptions (and how many swapped) and the host tier's peak for each
 mode, the swap/recompute throughput ratio, and checks both produced the same tokens; writes
@@ -17,7 +18,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, w2  # noqa: E402
 
 
@@ -25,12 +26,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--pool-requests", type=int, default=4, help="requests the pool holds")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(requests=4, pool_requests=2)
     args = parser.parse_args()
 
     from models.loader import load_tokenizer
     from pagedjax import LLM, SamplingParams
 
     prompts, max_tokens = w2(load_tokenizer(), args.requests)
+    # Smoke: small blocks, so short requests still outgrow the pool and are preempted.
+    small = dict(block_size=16, max_num_batched_tokens=64) if args.smoke else {}
+    if args.smoke:
+        prompts, max_tokens = [p[-30:] for p in prompts], [8] * len(prompts)
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
     requests = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -39,7 +47,8 @@ def main() -> None:
     for mode in ("recompute", "swap"):
         llm = LLM(
             max_model_len=longest,
-            num_kv_blocks=kv_blocks(args.pool_requests, longest),
+            num_kv_blocks=kv_blocks(args.pool_requests, longest, small.get("block_size")),
+            **small,
             preemption_mode=mode,
             enable_prefix_caching=False,  # recompute gets no help from the cache
         )
@@ -59,7 +68,7 @@ def main() -> None:
         result["swap_output_tokens_per_s"] / result["recompute_output_tokens_per_s"]
     )
     result["same_tokens"] = tokens["swap"] == tokens["recompute"]
-    report("swap", result)
+    report("swap", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

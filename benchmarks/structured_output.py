@@ -2,6 +2,7 @@
 tokens/s with a JSON schema against the same requests unconstrained, in the same run.
 
     python benchmarks/structured_output.py [--batches 1,64] [--max-tokens 64]
+        [--smoke (batches 1 and 2, 8 tokens)]
 
 The masks are built on the host by llguidance, every constrained row of a step at once on its
 threads, after the step's forward is dispatched (while it runs on the device); this times
@@ -18,7 +19,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 
 SCHEMA = {
     "type": "object",
@@ -36,6 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--max-tokens", type=int, default=64)
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(batches="1,2", max_tokens=8)
     args = parser.parse_args()
 
     from pagedjax import constraints
@@ -55,7 +59,9 @@ def main() -> None:
         return out
 
     constraints.MaskFiller.fill = timed_fill
-    llm = LLM(max_model_len=512, max_num_seqs=64)
+    # Smoke: few step shapes for warmup to compile.
+    small = dict(max_num_seqs=4, max_num_batched_tokens=64) if args.smoke else {}
+    llm = LLM(max_model_len=512, **{"max_num_seqs": 64, **small})
     engine = llm.llm_engine
     engine.engine_core.warmup()
     result: dict = {"schema": "name, age, city (JSON)", "max_tokens": args.max_tokens}
@@ -95,7 +101,7 @@ def main() -> None:
             result[f"batch{batch}_json_output_tokens_per_s"]
             / result[f"batch{batch}_free_output_tokens_per_s"]
         )
-    report("structured_output", result)
+    report("structured_output", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

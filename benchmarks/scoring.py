@@ -3,6 +3,7 @@
 forward + log-softmax on the same texts in the same process.
 
     python benchmarks/scoring.py [--texts 16] [--length 256] [--repeats 3] [--skip-peer]
+        [--smoke (2 texts of 32 tokens, once; the peer too, unless --skip-peer)]
 
 Reports scored tokens/s of each (medians of the repeats), their ratio, and the largest
 difference between the two sets of logprobs.
@@ -18,7 +19,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, sized_prompts  # noqa: E402
 
 
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-batch", type=int, default=8)
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(texts=2, length=32, repeats=1, peer_batch=2)
     args = parser.parse_args()
 
     from pagedjax.llm import LLM
@@ -103,7 +107,7 @@ def main() -> None:
         result["max_abs_logprob_difference"] = float(
             max(np.abs(a - b).max() for a, b in zip(ours, theirs, strict=True))
         )
-    report("scoring", result)
+    report("scoring", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

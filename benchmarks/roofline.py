@@ -2,6 +2,7 @@
 matmul FLOP/s for the model's own shapes, in the same run.
 
     python benchmarks/roofline.py [--requests 256] [--max-num-seqs 128]
+        [--smoke (3 requests cut to 40-token prompts and 6 tokens, 2 at once)]
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
 (the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
@@ -28,7 +29,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, w2  # noqa: E402
 
 
@@ -167,6 +168,9 @@ def main() -> None:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(requests=3, max_num_seqs=2, max_num_batched_tokens=64)
     args = parser.parse_args()
 
     from pagedjax.llm import LLM
@@ -185,8 +189,10 @@ def main() -> None:
     )
     config = llm.llm_engine.model_config
     peak = matmul_peak(config, (args.max_num_seqs, args.max_num_batched_tokens))
-    prompts, max_tokens = w2(llm.get_tokenizer(), 256)
+    prompts, max_tokens = w2(llm.get_tokenizer(), args.requests if args.smoke else 256)
     prompts, max_tokens = prompts[: args.requests], max_tokens[: args.requests]
+    if args.smoke:
+        prompts, max_tokens = [p[-40:] for p in prompts], [6] * len(prompts)
     llm.llm_engine.engine_core.worker.runner.warmup()
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     result = run(llm, prompts, params)
@@ -201,7 +207,7 @@ def main() -> None:
     if "steady_gflops" in result:
         result["steady_fraction_of_peak"] = result["steady_gflops"] / best
     result.update(peak)
-    report("roofline", result)
+    report("roofline", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with
     python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
         [--max-num-batched-tokens 512] [--max-num-seqs 128] [--block-size N]
         [--peer] [--peer-batches 1,8,32] [--peer-requests N]
+        [--smoke (2 requests x 4 tokens, few step shapes; the peer only with --peer)]
 
 --peer runs transformers `generate` (torch CPU float32, 2 threads) on the same token ids in static
 batches (left padding, greedy, every batch runs to its longest request's max_tokens); a peer
@@ -24,7 +25,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import kv_blocks, make_prompts, w2  # noqa: E402
 
 
@@ -82,7 +83,7 @@ def run_peer(
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", choices=["W1", "W2"], default="W1")
     parser.add_argument(
@@ -108,7 +109,16 @@ def main() -> None:
         default=None,
         help="run the peer on the first N requests only (default: all)",
     )
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(
+            requests=2, tokens=4, max_num_batched_tokens=64, max_num_seqs=2, peer_batches="2"
+        )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     from pagedjax.llm import LLM
     from pagedjax.platforms import current_platform
@@ -172,7 +182,8 @@ def main() -> None:
         result["engine_vs_best_peer"] = (
             result["output_tokens_per_s"] / result["peer_best_output_tokens_per_s"]
         )
-    report(("throughput" if w1 else "throughput_w2") + ("_sampled" if sampled else ""), result)
+    name = ("throughput" if w1 else "throughput_w2") + ("_sampled" if sampled else "")
+    report(name, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ warm-up batch, so compilation is excluded), the growth, and blocks in use after 
 Target: zero blocks in use, RSS growth under 5%.
 
     python benchmarks/soak.py [--requests 10000] [--batch 256]
+        [--smoke (the tiny random model, 32 requests in waves of 16)]
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks, save_random_llama  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -31,12 +32,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=10000)
     parser.add_argument("--batch", type=int, default=256, help="requests added per wave")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(requests=32, batch=16)
     args = parser.parse_args()
 
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    llm = LLM(None, max_model_len=256, num_kv_blocks=kv_blocks(1, 16384), max_num_seqs=64)
+    model = str(save_random_llama()) if args.smoke else None
+    llm = LLM(model, max_model_len=256, num_kv_blocks=kv_blocks(1, 16384), max_num_seqs=64)
     engine = llm.llm_engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -76,6 +81,7 @@ def main() -> None:
             "blocks_in_use_after_drain": core.kv_cache_manager.block_pool.num_used_blocks,
             "compilations": core.worker.runner.num_compilations,
         },
+        smoke=args.smoke,
     )
 
 

@@ -4,6 +4,7 @@ with it off (same weights, same process).
 
     python benchmarks/prefix_sharing.py [--requests 8] [--tokens 16] [--system-tokens 1024]
         [--max-num-batched-tokens 512] [--max-num-seqs 64]
+        [--smoke (3 requests sharing ~128 tokens, 4 new tokens each)]
 
 Reports per mode: seconds, output and total tokens/s, prompt tokens, prefill tokens actually
 computed (counted from the scheduler's output: scheduled tokens below each prompt's length),
@@ -20,7 +21,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import TOPICS, chat_ids, kv_blocks, system_prompt  # noqa: E402
 
 
@@ -68,6 +69,11 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(
+            requests=3, tokens=4, system_tokens=128, max_num_batched_tokens=64, max_num_seqs=4
+        )
     args = parser.parse_args()
 
     from models.loader import load_model, load_tokenizer
@@ -109,7 +115,7 @@ def main() -> None:
     result["speedup_caching_on_vs_off"] = (
         result["caching_off_seconds"] / result["caching_on_seconds"]
     )
-    report("prefix_sharing", result)
+    report("prefix_sharing", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

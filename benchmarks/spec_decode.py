@@ -5,6 +5,7 @@ script checks it.
 
     python benchmarks/spec_decode.py [--requests 4] [--tokens 128] [--k 4] [--repeats 2]
         [--draft-layers 8 15] [--float32-target]
+        [--smoke (1 request x 8 tokens, once; a 2-layer draft)]
 
 Reports, per workload and method, the median ms per output token of each request, its ratio to
 no speculation, the acceptance rate and the tokens a drafted step emits.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 from workloads import TOPICS, chat_ids, make_prompts  # noqa: E402
 
 PASSAGE = (
@@ -80,12 +81,17 @@ def main() -> None:
         help="every target runs the default model's float32 weights (not its Q4_1 codes), "
         "and a draft of the Q4_1 model itself is added: a draft 3-4x cheaper than its target",
     )
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(requests=1, tokens=8, repeats=1, draft_layers=[2])
     args = parser.parse_args()
 
     from models.gguf_loader import default_model_path
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
+    # Smoke: a small pool, not one sized from the machine's memory for each engine.
+    pool = {"num_kv_blocks": 64} if args.smoke else {}
     spec = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
@@ -93,8 +99,8 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
     }
     engines = {
-        "off": LLM(max_model_len=1024),
-        "ngram": LLM(max_model_len=1024, speculative_config=spec),
+        "off": LLM(max_model_len=1024, **pool),
+        "ngram": LLM(max_model_len=1024, speculative_config=spec, **pool),
     }
     for layers in args.draft_layers:
         draft = {
@@ -102,7 +108,7 @@ def main() -> None:
             "num_speculative_tokens": args.k,
             "num_hidden_layers": layers,
         }
-        engines[f"draft{layers}"] = LLM(max_model_len=1024, speculative_config=draft)
+        engines[f"draft{layers}"] = LLM(max_model_len=1024, speculative_config=draft, **pool)
     if args.float32_target:
         import jax.numpy as jnp
 
@@ -148,7 +154,7 @@ def main() -> None:
             result[f"{name}_{key}_speedup"] = off / on
             result[f"{name}_{key}_acceptance_rate"] = accepted / max(proposed, 1)
             result[f"{name}_{key}_tokens_per_drafted_step"] = 1 + accepted / max(drafts, 1)
-    report("spec_decode", result)
+    report("spec_decode", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ of the work tree against the same kernel at a git revision, in one process, at t
 model's (SmolLM2-135M) decode shapes.
 
     python benchmarks/quantized_matmul.py [--rows 1] [--baseline-rev HEAD] [--repeats 15]
+        [--smoke (2 weights per shape, one timed chain each)]
 
 The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
 engine's kernels and registered under another FFI target. Each layer shape runs as a chain of
@@ -29,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
 
 from pagedjax.cpu_native import build, matmul  # noqa: E402
 
@@ -92,6 +93,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="weights per layer shape")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
+    add_smoke_flag(parser)
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(layers=2, repeats=1, iters=1)
     args = parser.parse_args()
     assert build.available()
     register_baseline(args.baseline_rev)
@@ -124,7 +128,7 @@ def main() -> None:
             result[f"{key}_old_us"] = old
             result[f"{key}_new_us"] = new
             result[f"{key}_old/new"] = old / new
-    report("quantized_matmul", result)
+    report("quantized_matmul", result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

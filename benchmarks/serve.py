@@ -34,7 +34,8 @@ if a check fails.
 --quick shrinks either mode to a smoke test (4 requests at 4 and inf req/s x 16 tokens; a soak
 of 64 requests); its results go to results/serve_quick.json / serve_soak_quick.json. Its
 numbers check that everything runs, nothing more: a shape compiled on first use in its
-sub-second rates can halve them.
+sub-second rates can halve them. --smoke is smaller still, for tests/test_benchmarks.py: 2
+requests at inf req/s x 4 tokens (a soak of 16), its files in a temporary folder.
 """
 
 from __future__ import annotations
@@ -62,8 +63,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from report import report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, kv_blocks, make_prompts, poisson_arrivals, sized_prompts, w2  # noqa: E402
+from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import (  # noqa: E402
+    TOPICS,
+    kv_blocks,
+    make_prompts,
+    poisson_arrivals,
+    sized_prompts,
+    w2,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 QUANTILES = (50, 90, 99)
@@ -727,6 +735,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a 1-2 minute smoke test")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.max_tokens is None and (args.workload == "W1" or args.input_len):
         args.max_tokens = 64
@@ -735,18 +744,23 @@ def main() -> None:
         args.max_num_seqs = min(args.max_num_seqs, 8)
         if args.soak is not None:
             args.soak, args.soak_concurrency = 64, 8
+    if args.smoke:
+        args.requests, args.rates, args.max_tokens = 2, "inf", 4
+        args.max_num_seqs, args.max_num_batched_tokens = 4, 64
+        if args.soak is not None:
+            args.soak, args.soak_concurrency, args.soak_warmup = 16, 4, 4
     # SIGTERM runs the same teardown as Ctrl-C: the server must not outlive the benchmark.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     suffix = "_quick" if args.quick else ""
     try:
         if args.soak is not None:
             result, ok = soak(args)
-            report("serve_soak" + suffix, result)
+            report("serve_soak" + suffix, result, smoke=args.smoke)
             if not ok:
                 sys.exit(1)
         else:
             name = "serve_w2" if args.workload == "W2" and not args.input_len else "serve"
-            report(name + suffix, bench_rates(args))
+            report(name + suffix, bench_rates(args), smoke=args.smoke)
     except KeyboardInterrupt:
         sys.exit("interrupted: server stopped")
 

@@ -4,6 +4,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
+    python benchmarks/host_overhead.py --generate [--running 256] [--steps 128]
     ... [--model DIR]   another model than the default one
     python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
 
@@ -21,6 +22,11 @@ stream) and FINAL_ONLY (what `LLM.generate` asks for).
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
 ratio. With it on, step N+1's host work runs while step N is on the device.
+
+--generate: what a user sees, `LLM.generate` of --running prompts of 16-64 random tokens x
+--steps greedy tokens (ignore_eos, max_num_seqs = --running) on a model whose device work is
+negligible (unless --model: 1 layer, hidden 64, a 2,048-word vocabulary); the second call is
+timed, in ms per engine step, with async scheduling off and on.
 """
 
 from __future__ import annotations
@@ -201,28 +207,58 @@ def overlap(args) -> None:
     report("host_overhead_overlap", result, smoke=args.smoke)
 
 
+def generate_steps(args) -> None:
+    import random
+
+    from pagedjax.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    result = {"running_requests": args.running, "tokens": args.steps}
+    for mode in ("off", "on"):
+        llm = make_llm(args.running, args.model, async_scheduling=mode == "on")
+        vocab = llm.llm_engine.model_config.vocab_size
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]}
+            for _ in range(args.running)
+        ]
+        params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)  # compiles every shape the run takes
+        core = llm.llm_engine.engine_core
+        steps, start = core.num_steps, time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds, steps = time.perf_counter() - start, core.num_steps - steps
+        result[f"async_{mode}_steps"] = steps
+        result[f"async_{mode}_ms_per_step"] = 1000 * seconds / steps
+        result[f"async_{mode}_output_tokens_per_s"] = args.running * args.steps / seconds
+        del llm, core
+    report("host_overhead_generate", result, smoke=args.smoke)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--running", type=int, default=None, help="default 256 (--smoke: 4)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps measured")
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
+    parser.add_argument("--generate", action="store_true", help="LLM.generate's ms per step")
     parser.add_argument(
         "--model", default=None, help="a model directory (default: the default model); on a "
         "GPU e.g. the one `gpu_throughput.py --model-dir DIR --build-only` saves",
     )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
-    if args.overlap:
+    if args.generate:
+        modes = {generate_steps: 128}
+    elif args.overlap:
         modes = {overlap: 30}
     elif args.host_only:
         modes = {host_only: 100}
     elif args.smoke:  # every mode, so that none rots
-        modes = {on_device: 30, host_only: 100, overlap: 30}
+        modes = {on_device: 30, host_only: 100, overlap: 30, generate_steps: 128}
     else:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)
-    if args.smoke and args.model is None:  # a tiny random model: no time on the device
+    if (args.smoke or args.generate) and args.model is None:  # no time on the device
         args.model = str(save_random_llama())
     for mode, steps in modes.items():
         steps = args.steps or (3 if args.smoke else steps)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from report import add_smoke_flag, results_dir  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import save_random_llama  # noqa: E402
+from workloads import kv_blocks, save_random_llama  # noqa: E402
 
 
 def build_model(path: Path, num_layers: int) -> None:
@@ -39,12 +39,15 @@ def build_model(path: Path, num_layers: int) -> None:
     )  # fmt: skip
 
 
-def run_engine(path: Path, prompts: list[list[int]], tokens: int) -> dict:
+def run_engine(
+    path: Path, prompts: list[list[int]], tokens: int, num_kv_blocks: int | None = None
+) -> dict:
+    """num_kv_blocks None: the engine's own budget (on a CPU, far more than a smoke run needs)."""
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(str(path), max_model_len=1024, max_num_seqs=len(prompts))
+    llm = LLM(str(path), max_model_len=1024, max_num_seqs=len(prompts), num_kv_blocks=num_kv_blocks)
     load_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm up the buckets
@@ -136,7 +139,8 @@ def main() -> None:
         device=jax.devices()[0].device_kind, requests=args.requests,
         prompt_len=args.prompt_len, tokens=args.tokens, layers=args.layers,
     )  # fmt: skip
-    result.update(run_engine(path, prompts, args.tokens))
+    blocks = kv_blocks(args.requests, 1024) if args.smoke else None
+    result.update(run_engine(path, prompts, args.tokens, blocks))
     print(json.dumps(result), flush=True)
     if not args.no_peer:
         result.update(run_peer(path, prompts, args.tokens, args.peer_batch))

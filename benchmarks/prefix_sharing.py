@@ -3,8 +3,8 @@ differ in a short question; the same workload runs on an engine with prefix cach
 with it off (same weights, same process).
 
     python benchmarks/prefix_sharing.py [--requests 8] [--tokens 16] [--system-tokens 1024]
-        [--max-num-batched-tokens 512] [--max-num-seqs 64]
-        [--smoke (3 requests sharing ~128 tokens, 4 new tokens each)]
+        [--max-num-batched-tokens 512] [--max-num-seqs 64] [--model DIR]
+        [--smoke (3 requests sharing ~128 tokens, 4 new tokens each, on a tiny random model)]
 
 Reports per mode: seconds, output and total tokens/s, prompt tokens, prefill tokens actually
 computed (counted from the scheduler's output: scheduled tokens below each prompt's length),
@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, chat_ids, kv_blocks, system_prompt  # noqa: E402
+from workloads import TOPICS, chat_ids, kv_blocks, save_random_llama, system_prompt  # noqa: E402
 
 
 def run(engine, prompts: list[list[int]], tokens: int) -> dict:
@@ -69,12 +69,15 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(
             requests=3, tokens=4, system_tokens=128, max_num_batched_tokens=64, max_num_seqs=4
         )
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama())
 
     from models.loader import load_model, load_tokenizer
     from pagedjax.config import EngineConfig
@@ -84,8 +87,8 @@ def main() -> None:
     # As the engine loads the model itself: the GGUF's quantized weights where they run.
     platform = current_platform()
     keep_blocks = platform.keeps_quantized_weights("float32")
-    model_config, params = load_model(None, keep_blocks=keep_blocks)
-    tokenizer = load_tokenizer(None)
+    model_config, params = load_model(args.model, keep_blocks=keep_blocks)
+    tokenizer = load_tokenizer(args.model)
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = [
         chat_ids(tokenizer, f"Question {i}: in one sentence, what is {TOPICS[i % 12]}?", system)

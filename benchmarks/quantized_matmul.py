@@ -3,7 +3,8 @@ of the work tree against the same kernel at a git revision, in one process, at t
 model's (SmolLM2-135M) decode shapes.
 
     python benchmarks/quantized_matmul.py [--rows 1] [--baseline-rev HEAD] [--repeats 15]
-        [--smoke (2 weights per shape, one timed chain each)]
+        [--shapes wqkv wo w_gate_up w_down lm_head]
+        [--smoke (the wo shape only, 2 weights, one timed chain; the baseline still compiled)]
 
 The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
 engine's kernels and registered under another FFI target. Each layer shape runs as a chain of
@@ -93,16 +94,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="weights per layer shape")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     add_smoke_flag(parser)
-    if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(layers=2, repeats=1, iters=1)
+    if parser.parse_known_args()[0].smoke:  # the smallest shape: building the baseline is the test
+        parser.set_defaults(layers=2, repeats=1, iters=1, shapes=["wo"])
     args = parser.parse_args()
     assert build.available()
+    if args.smoke:
+        shapes = " ".join(args.shapes)
+        print(
+            f"smoke: the kernel at {args.baseline_rev} against the work tree's, shapes {shapes}, "
+            f"rows {args.rows}, {args.layers} weights, {args.repeats}x{args.iters} chains"
+        )
     register_baseline(args.baseline_rev)
 
     rng = np.random.default_rng(0)
     result: dict = {"baseline_rev": args.baseline_rev}
-    for name, (k, n, bits) in SHAPES.items():
+    for name in args.shapes:
+        k, n, bits = SHAPES[name]
         weights = [
             random_weight(rng, k, n, bits) for _ in range(1 if name == "lm_head" else args.layers)
         ]

@@ -1,8 +1,9 @@
 """Roofline: the engine's achieved model FLOP/s on W2 against this machine's measured float32
 matmul FLOP/s for the model's own shapes, in the same run.
 
-    python benchmarks/roofline.py [--requests 256] [--max-num-seqs 128]
-        [--smoke (3 requests cut to 40-token prompts and 6 tokens, 2 at once)]
+    python benchmarks/roofline.py [--requests 256] [--max-num-seqs 128] [--model DIR]
+        [--smoke (3 requests cut to 40-token prompts and 6 tokens, 2 at once, on a tiny random
+        model)]
 
 Peak: median time of x @ W for each of the model's weight shapes at the step's token counts
 (the MLP, QKV, output projections and the LM head), as XLA's dot and as the engine's packed
@@ -30,7 +31,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, w2  # noqa: E402
+from workloads import kv_blocks, save_random_llama, w2  # noqa: E402
 
 
 def matmul_peak(config, tokens: tuple[int, ...]) -> dict:
@@ -168,10 +169,13 @@ def main() -> None:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(requests=3, max_num_seqs=2, max_num_batched_tokens=64)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama())
 
     from pagedjax.llm import LLM
     from pagedjax.platforms import current_platform
@@ -180,7 +184,7 @@ def main() -> None:
     max_model_len = 1024
     block_size = args.block_size or current_platform().default_block_size
     llm = LLM(
-        None,
+        args.model,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

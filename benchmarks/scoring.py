@@ -3,7 +3,9 @@
 forward + log-softmax on the same texts in the same process.
 
     python benchmarks/scoring.py [--texts 16] [--length 256] [--repeats 3] [--skip-peer]
-        [--smoke (2 texts of 32 tokens, once; the peer too, unless --skip-peer)]
+        [--model PATH]
+        [--smoke (2 texts of 32 tokens, once, on a tiny random model; the peer too, unless
+        --skip-peer)]
 
 Reports scored tokens/s of each (medians of the repeats), their ratio, and the largest
 difference between the two sets of logprobs.
@@ -20,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, sized_prompts  # noqa: E402
+from workloads import kv_blocks, save_random_llama, sized_prompts  # noqa: E402
 
 
 def engine_scores(llm, texts: list[list[int]]) -> list[np.ndarray]:
@@ -65,15 +67,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-batch", type=int, default=8)
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument(
+        "--model", default=None, help="a model directory or .gguf (default: the default)"
+    )
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(texts=2, length=32, repeats=1, peer_batch=2)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama())
 
     from pagedjax.llm import LLM
 
     llm = LLM(
-        None,
+        args.model,
         max_model_len=args.length + 1,
         max_num_batched_tokens=512,
         num_kv_blocks=kv_blocks(512 // args.length + 1, args.length + 1),
@@ -95,10 +102,10 @@ def main() -> None:
 
         from models.loader import resolve_model_path
 
-        path = resolve_model_path(None).path
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        files = resolve_model_path(args.model)
+        gguf = {"gguf_file": files.path.name} if files.is_gguf else {}
+        folder = files.path.parent if files.is_gguf else files.path
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **gguf).eval()
         peer_scores(hf, texts[:2], 2)  # warm up
         peer_seconds, theirs = timed(lambda: peer_scores(hf, texts, args.peer_batch), args.repeats)
         result["peer_s_median"] = peer_seconds

@@ -35,7 +35,8 @@ if a check fails.
 of 64 requests); its results go to results/serve_quick.json / serve_soak_quick.json. Its
 numbers check that everything runs, nothing more: a shape compiled on first use in its
 sub-second rates can halve them. --smoke is smaller still, for tests/test_benchmarks.py: 2
-requests at inf req/s x 4 tokens (a soak of 16), its files in a temporary folder.
+requests at inf req/s x 4 tokens (a soak of 16) on a tiny random Llama unless --model is given,
+its files in a temporary folder.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from workloads import (  # noqa: E402
     kv_blocks,
     make_prompts,
     poisson_arrivals,
+    save_random_llama,
     sized_prompts,
     w2,
 )
@@ -410,6 +412,15 @@ def request_set(
     tokenizer, args: argparse.Namespace, count: int, seed: int
 ) -> tuple[list[list[int]], list[int]]:
     """Prompts (token ids) and max_tokens of one rate's requests."""
+    if args.random_ids:
+        # The tiny model's word-level tokenizer reads English as all-unknown ids, whose greedy
+        # continuation decodes to no text: random words give streamed text to time.
+        rng = random.Random(seed)
+        vocab = len(tokenizer)
+        prompts = [
+            [rng.randrange(3, vocab) for _ in range(rng.randint(8, 48))] for _ in range(count)
+        ]
+        return prompts, [args.max_tokens] * count
     if args.input_len:
         return sized_prompts(tokenizer, [args.input_len] * count, seed), [args.max_tokens] * count
     if args.workload == "W2":
@@ -749,6 +760,9 @@ def main() -> None:
         args.max_num_seqs, args.max_num_batched_tokens = 4, 64
         if args.soak is not None:
             args.soak, args.soak_concurrency, args.soak_warmup = 16, 4, 4
+    args.random_ids = args.smoke and args.model is None
+    if args.random_ids:  # a tiny random Llama: the server starts and compiles in seconds
+        args.model = str(save_random_llama())
     # SIGTERM runs the same teardown as Ctrl-C: the server must not outlive the benchmark.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     suffix = "_quick" if args.quick else ""
@@ -760,7 +774,10 @@ def main() -> None:
                 sys.exit(1)
         else:
             name = "serve_w2" if args.workload == "W2" and not args.input_len else "serve"
-            report(name + suffix, bench_rates(args), smoke=args.smoke)
+            result = bench_rates(args)
+            report(name + suffix, result, smoke=args.smoke)
+            if args.smoke and result["errors"]:  # a smoke run exists to catch exactly this
+                sys.exit(f"{result['errors']} requests failed")
     except KeyboardInterrupt:
         sys.exit("interrupted: server stopped")
 

@@ -5,7 +5,7 @@ script checks it.
 
     python benchmarks/spec_decode.py [--requests 4] [--tokens 128] [--k 4] [--repeats 2]
         [--draft-layers 8 15] [--float32-target]
-        [--smoke (1 request x 8 tokens, once; a 2-layer draft)]
+        [--smoke (the tiny random model drafting for itself, 1 request x 8 tokens, once)]
 
 Reports, per workload and method, the median ms per output token of each request, its ratio to
 no speculation, the acceptance rate and the tokens a drafted step emits.
@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import TOPICS, chat_ids, make_prompts  # noqa: E402
+from workloads import TOPICS, chat_ids, make_prompts, save_random_llama  # noqa: E402
 
 PASSAGE = (
     "The printing press, developed by Johannes Gutenberg around 1440, changed how knowledge "
@@ -83,15 +83,20 @@ def main() -> None:
     )
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(requests=1, tokens=8, repeats=1, draft_layers=[2])
+        parser.set_defaults(requests=1, tokens=8, repeats=1, draft_layers=[1])
     args = parser.parse_args()
+    if args.float32_target and args.smoke:
+        parser.error("--float32-target needs the default model, which --smoke replaces")
 
     from models.gguf_loader import default_model_path
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    # Smoke: a small pool, not one sized from the machine's memory for each engine.
-    pool = {"num_kv_blocks": 64} if args.smoke else {}
+    # Smoke: a small pool (not one sized from the machine's memory) and few step shapes.
+    small = dict(num_kv_blocks=64, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16)
+    shape = {"max_model_len": 1024, **(small if args.smoke else {})}
+    # Smoke: a random model whose loads and steps cost little; its one layer is the draft.
+    model = str(save_random_llama()) if args.smoke else None
     spec = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
@@ -99,16 +104,16 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
     }
     engines = {
-        "off": LLM(max_model_len=1024, **pool),
-        "ngram": LLM(max_model_len=1024, speculative_config=spec, **pool),
+        "off": LLM(model, **shape),
+        "ngram": LLM(model, speculative_config=spec, **shape),
     }
     for layers in args.draft_layers:
         draft = {
-            "model": str(default_model_path()),
+            "model": model or str(default_model_path()),
             "num_speculative_tokens": args.k,
             "num_hidden_layers": layers,
         }
-        engines[f"draft{layers}"] = LLM(max_model_len=1024, speculative_config=draft, **pool)
+        engines[f"draft{layers}"] = LLM(model, speculative_config=draft, **shape)
     if args.float32_target:
         import jax.numpy as jnp
 

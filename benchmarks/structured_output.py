@@ -2,7 +2,7 @@
 tokens/s with a JSON schema against the same requests unconstrained, in the same run.
 
     python benchmarks/structured_output.py [--batches 1,64] [--max-tokens 64]
-        [--smoke (batches 1 and 2, 8 tokens)]
+        [--smoke (batches 1 and 2, 8 tokens, on the default model's first layer)]
 
 The masks are built on the host by llguidance, every constrained row of a step at once on its
 threads, after the step's forward is dispatched (while it runs on the device); this times
@@ -20,6 +20,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from workloads import kv_blocks  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -31,6 +32,20 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
+
+
+def first_layer_of_default_model() -> dict:
+    """LLM arguments for the default model cut to its first layer: a step of a fraction of the
+    cost, with the default model's tokenizer (the tiny random model's word tokens cannot spell
+    JSON)."""
+    from dataclasses import replace
+
+    from models.loader import load_model, load_tokenizer
+    from pagedjax.worker.draft_model import first_layers
+
+    config, params = load_model(None)
+    config = replace(config, num_layers=1, sliding_windows=config.sliding_windows[:1])
+    return {"model": config, "params": first_layers(params, 1), "tokenizer": load_tokenizer()}
 
 
 def main() -> None:
@@ -59,9 +74,11 @@ def main() -> None:
         return out
 
     constraints.MaskFiller.fill = timed_fill
-    # Smoke: few step shapes for warmup to compile.
-    small = dict(max_num_seqs=4, max_num_batched_tokens=64) if args.smoke else {}
-    llm = LLM(max_model_len=512, **{"max_num_seqs": 64, **small})
+    if args.smoke:  # few step shapes for warmup to compile, and a small pool
+        small = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
+        llm = LLM(**first_layer_of_default_model(), **small, num_kv_blocks=kv_blocks(2, 128))
+    else:
+        llm = LLM(max_model_len=512, max_num_seqs=64)
     engine = llm.llm_engine
     engine.engine_core.warmup()
     result: dict = {"schema": "name, age, city (JSON)", "max_tokens": args.max_tokens}

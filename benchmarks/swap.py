@@ -2,8 +2,9 @@
 tokens, max_tokens 16-512, greedy, ignore_eos) on the default model with a KV pool that holds
 about a quarter of the requests at once, so requests are preempted again and again.
 
-    python benchmarks/swap.py [--requests 16] [--pool-requests 4]
-        [--smoke (4 requests cut to 30-token prompts and 8 tokens, 16-token blocks)]
+    python benchmarks/swap.py [--requests 16] [--pool-requests 4] [--model DIR]
+        [--smoke (the tiny random model; 4 requests cut to 30-token prompts and 8 tokens,
+        16-token blocks)]
 
 Prints output tokens/s, preemptions (and how many swapped) and the host tier's peak for each
 mode, the swap/recompute throughput ratio, and checks both produced the same tokens; writes
@@ -19,22 +20,25 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, w2  # noqa: E402
+from workloads import kv_blocks, save_random_llama, w2  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--pool-requests", type=int, default=4, help="requests the pool holds")
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(requests=4, pool_requests=2)
     args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama())
 
     from models.loader import load_tokenizer
     from pagedjax import LLM, SamplingParams
 
-    prompts, max_tokens = w2(load_tokenizer(), args.requests)
+    prompts, max_tokens = w2(load_tokenizer(args.model), args.requests)
     # Smoke: small blocks, so short requests still outgrow the pool and are preempted.
     small = dict(block_size=16, max_num_batched_tokens=64) if args.smoke else {}
     if args.smoke:
@@ -46,6 +50,7 @@ def main() -> None:
     tokens = {}
     for mode in ("recompute", "swap"):
         llm = LLM(
+            args.model,
             max_model_len=longest,
             num_kv_blocks=kv_blocks(args.pool_requests, longest, small.get("block_size")),
             **small,

@@ -7,8 +7,8 @@ W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with
 
     python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
         [--max-num-batched-tokens 512] [--max-num-seqs 128] [--block-size N]
-        [--peer] [--peer-batches 1,8,32] [--peer-requests N]
-        [--smoke (2 requests x 4 tokens, few step shapes; the peer only with --peer)]
+        [--peer] [--peer-batches 1,8,32] [--peer-requests N] [--model PATH]
+        [--smoke (2 requests x 4 tokens on a tiny random Llama, few step shapes, the peer too)]
 
 --peer runs transformers `generate` (torch CPU float32, 2 threads) on the same token ids in static
 batches (left padding, greedy, every batch runs to its longest request's max_tokens); a peer
@@ -26,7 +26,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, make_prompts, w2  # noqa: E402
+from workloads import kv_blocks, make_prompts, save_random_llama, w2  # noqa: E402
 
 
 def run_peer(
@@ -35,6 +35,7 @@ def run_peer(
     batches: list[int],
     temperature: float = 0.0,
     top_p: float = 1.0,
+    model_path: str | None = None,
 ) -> dict:
     """transformers generate in static batches of each size; output tok/s per batch size."""
     import torch
@@ -43,11 +44,16 @@ def run_peer(
     from models.loader import resolve_model_path
 
     torch.set_num_threads(2)
-    path = resolve_model_path(None).path
+    files = resolve_model_path(model_path)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    if files.is_gguf:
+        path = files.path
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32)
+    model = model.eval()
     result = {"peer_load_s": time.perf_counter() - start}
     pad = 2  # SmolLM2's <|im_end|>; masked by the attention mask
     with torch.no_grad():  # warm up the first-call paths
@@ -109,12 +115,21 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="run the peer on the first N requests only (default: all)",
     )
+    parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
-    if parser.parse_known_args()[0].smoke:
+    if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
         parser.set_defaults(
-            requests=2, tokens=4, max_num_batched_tokens=64, max_num_seqs=2, peer_batches="2"
+            requests=2,
+            tokens=4,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            peer=True,
+            peer_batches="2",
         )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.smoke and args.model is None:
+        args.model = str(save_random_llama())
+    return args
 
 
 def main() -> None:
@@ -130,7 +145,7 @@ def main() -> None:
     longest = 200 + args.tokens if w1 else 1024  # prompt + output tokens of one request
     bs = args.block_size or current_platform().default_block_size
     llm = LLM(
-        None,
+        args.model,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -178,7 +193,10 @@ def main() -> None:
         n = args.peer_requests or count
         batches = [int(b) for b in args.peer_batches.split(",")]
         result["peer_requests"] = n
-        result.update(run_peer(prompts[:n], max_tokens[:n], batches, args.temperature, args.top_p))
+        peer = run_peer(
+            prompts[:n], max_tokens[:n], batches, args.temperature, args.top_p, args.model
+        )
+        result.update(peer)
         result["engine_vs_best_peer"] = (
             result["output_tokens_per_s"] / result["peer_best_output_tokens_per_s"]
         )

@@ -140,6 +140,24 @@ def triton_ir_text(kernel: TritonKernel) -> str:
         return str(module)
 
 
+def missing_requirement() -> str | None:
+    """What this host lacks to compile the kernels (None: nothing): the `triton` package with
+    its NVIDIA tools, and jaxlib's Triton dialect."""
+    try:
+        import triton
+    except ImportError:
+        return "the triton package (Linux wheels)"
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    for tool in ("ptxas", "cuobjdump"):
+        if not os.access(os.path.join(tools, tool), os.X_OK):
+            return f"triton's {tool} (its NVIDIA backend)"
+    try:
+        from jax._src.lib.triton import dialect  # noqa: F401
+    except ImportError:
+        return "a jaxlib with the Triton dialect"
+    return None
+
+
 def compile_for_sm(kernel: TritonKernel, capability: int = 90) -> CompiledKernel:
     """Compiles `kernel` to a cubin for `sm_{capability}` with the `triton` package and reads
     its resource use. Needs `pip install triton` (Linux x86-64), not a GPU."""
@@ -278,12 +296,10 @@ def main() -> None:
     if parser.parse_known_args()[0].smoke:  # the same path at the smallest head; flags still win
         parser.set_defaults(head_dim=64, group=2)
     args = parser.parse_args()
-    try:
-        import triton
-    except ImportError:
-        if args.smoke:
-            skip("needs the triton package (Linux x86-64 wheels)")
-        raise
+    if args.smoke and (missing := missing_requirement()):
+        skip(f"needs {missing}")
+    import triton
+
     result: dict[str, Any] = {"triton": triton.__version__}
     for kernel in args.kernels.split(","):
         compiled = compile_kernel(

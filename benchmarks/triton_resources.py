@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax.numpy as jnp  # noqa: E402
 from paged_kernels import TUNING_VARIANTS  # noqa: E402  (benchmarks/ is the script directory)
 from report import add_smoke_flag, results_dir, skip  # noqa: E402
-from triton_compile import compile_kernel  # noqa: E402
+from triton_compile import compile_kernel, missing_requirement  # noqa: E402
 
 from kernels_pallas.decode_attention import DecodeConfig  # noqa: E402
 from kernels_pallas.ragged_paged_attention import RaggedConfig  # noqa: E402
@@ -95,12 +95,10 @@ def main() -> None:
         parser.set_defaults(capabilities="90")
     args = parser.parse_args()
     args.out = args.out or results_dir(args.smoke)
-    try:
-        import triton
-    except ImportError:
-        if args.smoke:
-            skip("needs the triton package (Linux x86-64 wheels)")
-        raise
+    if args.smoke and (missing := missing_requirement()):
+        skip(f"needs {missing}")
+    import triton
+
     # A smoke run compiles the default model's bf16 shape and the first tuning candidate.
     shapes = SHAPES[1:2] if args.smoke else SHAPES
     variants_of = {"ragged": TUNING_VARIANTS["ragged"]} if args.smoke else TUNING_VARIANTS

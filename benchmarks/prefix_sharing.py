@@ -35,8 +35,9 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
     def counting_schedule():
         nonlocal computed
         out = schedule()
-        for seq, num_new in out.scheduled:
-            computed += max(0, min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens))
+        # The requests' counts already include this step's tokens; out.seqs has them before it.
+        for (request, num_new), seq in zip(out.scheduled, out.seqs, strict=True):
+            computed += max(0, min(num_new, request.num_prompt_tokens - seq.num_computed_tokens))
         return out
 
     engine.engine_core.scheduler.schedule = counting_schedule

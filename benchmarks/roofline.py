@@ -109,13 +109,12 @@ class StepLog:
 
     def __call__(self):
         out = self.schedule()
-        self.flops.append(
-            sum(
-                chunk_flops(self.config, seq.num_computed_tokens, n,
-                            int(seq.num_computed_tokens + n >= seq.num_tokens))
-                for seq, n in out.scheduled
-            )
-        )  # fmt: skip
+        # The requests' counts already include this step: out.seqs has them from before it.
+        computed = sum(
+            chunk_flops(self.config, seq.num_computed_tokens, len(seq.token_ids), 0)
+            for seq in out.seqs
+        )
+        self.flops.append(computed + chunk_flops(self.config, 0, 0, len(out.row_requests)))
         self.waiting.append(bool(self.scheduler.waiting))
         return out
 

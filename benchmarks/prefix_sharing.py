@@ -74,7 +74,7 @@ def main() -> None:
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(
-            requests=3, tokens=4, system_tokens=128, max_num_batched_tokens=64, max_num_seqs=4
+            requests=3, tokens=4, system_tokens=128, max_num_batched_tokens=16, max_num_seqs=4
         )
     args = parser.parse_args()
     if args.smoke and args.model is None:

@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(requests=3, max_num_seqs=2, max_num_batched_tokens=64)
+        parser.set_defaults(requests=3, max_num_seqs=2, max_num_batched_tokens=16)
     args = parser.parse_args()
     if args.smoke and args.model is None:
         args.model = str(save_random_llama())

@@ -15,7 +15,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, save_random_llama  # noqa: E402
+from workloads import kv_blocks, load_peer, save_random_llama  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -49,7 +49,6 @@ def main() -> None:
         args.model = str(save_random_llama())
 
     start = time.perf_counter()
-    from models.loader import resolve_model_path
     from pagedjax.config import EngineConfig
     from pagedjax.engine import LLMEngine
 
@@ -81,17 +80,9 @@ def main() -> None:
 
     if not args.skip_peer:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        files = resolve_model_path(args.model)
         t0 = time.perf_counter()
-        if files.is_gguf:
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(files.path.parent), gguf_file=files.path.name, dtype=torch.float32
-            )
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32)
-        hf.eval()
+        hf = load_peer(args.model)
         result["peer_load_s"] = time.perf_counter() - t0
         ids = torch.tensor([prompt_ids])
         per_token = []

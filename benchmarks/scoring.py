@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, save_random_llama, sized_prompts  # noqa: E402
+from workloads import kv_blocks, load_peer, save_random_llama, sized_prompts  # noqa: E402
 
 
 def engine_scores(llm, texts: list[list[int]]) -> list[np.ndarray]:
@@ -97,15 +97,7 @@ def main() -> None:
         "perplexity": float(np.exp(-np.mean(np.concatenate(ours)))),
     }
     if not args.skip_peer:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from models.loader import resolve_model_path
-
-        files = resolve_model_path(args.model)
-        gguf = {"gguf_file": files.path.name} if files.is_gguf else {}
-        folder = files.path.parent if files.is_gguf else files.path
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **gguf).eval()
+        hf = load_peer(args.model)
         peer_scores(hf, texts[:2], 2)  # warm up
         peer_seconds, theirs = timed(lambda: peer_scores(hf, texts, args.peer_batch), args.repeats)
         result["peer_s_median"] = peer_seconds

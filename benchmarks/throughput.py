@@ -26,7 +26,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
-from workloads import kv_blocks, make_prompts, save_random_llama, w2  # noqa: E402
+from workloads import kv_blocks, load_peer, make_prompts, save_random_llama, w2  # noqa: E402
 
 
 def run_peer(
@@ -39,21 +39,10 @@ def run_peer(
 ) -> dict:
     """transformers generate in static batches of each size; output tok/s per batch size."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from models.loader import resolve_model_path
 
     torch.set_num_threads(2)
-    files = resolve_model_path(model_path)
     start = time.perf_counter()
-    if files.is_gguf:
-        path = files.path
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32)
-    model = model.eval()
+    model = load_peer(model_path)
     result = {"peer_load_s": time.perf_counter() - start}
     pad = 2  # SmolLM2's <|im_end|>; masked by the attention mask
     with torch.no_grad():  # warm up the first-call paths

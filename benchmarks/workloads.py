@@ -163,3 +163,19 @@ def save_random_llama(
         tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def load_peer(model: str | None = None, dtype: str = "float32"):
+    """The transformers model the engine's `model` names (a GGUF file, dequantized, or a
+    Hugging Face folder; None: the default model), in eval mode: the benchmarks' peer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import resolve_model_path
+
+    files = resolve_model_path(model)
+    gguf = {"gguf_file": files.path.name} if files.is_gguf else {}
+    folder = files.path.parent if files.is_gguf else files.path
+    return AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=getattr(torch, dtype), **gguf
+    ).eval()

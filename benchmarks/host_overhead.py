@@ -4,7 +4,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
-    python benchmarks/host_overhead.py --generate [--running 256] [--steps 128]
+    python benchmarks/host_overhead.py --generate [--running 256] [--steps 128] [--multi-step 8]
     ... [--model DIR]   another model than the default one
     python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
 
@@ -25,8 +25,11 @@ ratio. With it on, step N+1's host work runs while step N is on the device.
 
 --generate: what a user sees, `LLM.generate` of --running prompts of 16-64 random tokens x
 --steps greedy tokens (ignore_eos, max_num_seqs = --running) on a model whose device work is
-negligible (unless --model: 1 layer, hidden 64, a 2,048-word vocabulary); the second call is
-timed, in ms per engine step, with async scheduling off and on.
+small (unless --model: 1 layer, hidden 64, a 2,048-word vocabulary); the second call is
+timed, with async scheduling off and on, one decode step per dispatch and --multi-step
+(num_scheduler_steps) of them: ms per dispatched step, ms per token-step (a forward pass of
+every running row), and of that the host's share (the time not blocked on the device's
+results; on a CPU the device's work shares the cores with it).
 """
 
 from __future__ import annotations
@@ -214,8 +217,14 @@ def generate_steps(args) -> None:
 
     rng = random.Random(0)
     result = {"running_requests": args.running, "tokens": args.steps}
-    for mode in ("off", "on"):
-        llm = make_llm(args.running, args.model, async_scheduling=mode == "on")
+    modes = [(k, a) for k in sorted({1, args.multi_step}) for a in ("off", "on")]
+    for num_steps, mode in modes:
+        llm = make_llm(
+            args.running,
+            args.model,
+            async_scheduling=mode == "on",
+            num_scheduler_steps=num_steps,
+        )
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [
             {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]}
@@ -224,12 +233,23 @@ def generate_steps(args) -> None:
         params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # compiles every shape the run takes
         core = llm.llm_engine.engine_core
-        steps, start = core.num_steps, time.perf_counter()
+        before = (core.num_steps, core.num_model_steps, core.device_wait_s)
+        start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        seconds, steps = time.perf_counter() - start, core.num_steps - steps
-        result[f"async_{mode}_steps"] = steps
-        result[f"async_{mode}_ms_per_step"] = 1000 * seconds / steps
-        result[f"async_{mode}_output_tokens_per_s"] = args.running * args.steps / seconds
+        seconds = time.perf_counter() - start
+        steps, model_steps, waited = (
+            now - then
+            for now, then in zip(
+                (core.num_steps, core.num_model_steps, core.device_wait_s), before, strict=True
+            )
+        )
+        name = f"k{num_steps}_async_{mode}"
+        result[f"{name}_steps"] = steps
+        result[f"{name}_token_steps"] = model_steps
+        result[f"{name}_ms_per_step"] = 1000 * seconds / steps
+        result[f"{name}_ms_per_token_step"] = 1000 * seconds / model_steps
+        result[f"{name}_host_ms_per_token_step"] = 1000 * (seconds - waited) / model_steps
+        result[f"{name}_output_tokens_per_s"] = args.running * args.steps / seconds
         del llm, core
     report("host_overhead_generate", result, smoke=args.smoke)
 
@@ -241,6 +261,9 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
     parser.add_argument("--generate", action="store_true", help="LLM.generate's ms per step")
+    parser.add_argument(
+        "--multi-step", type=int, default=8, help="--generate: num_scheduler_steps beside 1"
+    )
     parser.add_argument(
         "--model", default=None, help="a model directory (default: the default model); on a "
         "GPU e.g. the one `gpu_throughput.py --model-dir DIR --build-only` saves",

@@ -267,6 +267,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="wait for each step before scheduling the next",
     )
+    engine.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="decode steps run per dispatch when every sequence decodes (default 1)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

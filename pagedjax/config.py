@@ -72,6 +72,12 @@ class EngineConfig:
     # Schedule and prepare step N+1 while step N runs on the device (as vLLM v1's async
     # scheduling); its tokens from step N are read on the device. Greedy output is unchanged.
     async_scheduling: bool = True
+    # Decode steps per dispatch (vLLM V0's name): a step whose every sequence decodes runs up
+    # to this many forward+sample iterations in one jitted loop, its slots reserved ahead, so
+    # the host's cost is paid once per loop. Rows that need the host between tokens (logprobs,
+    # penalties, constraints, min_tokens, beams) make the step a single one. Greedy output is
+    # unchanged; seeded draws too (each row's key follows its token count).
+    num_scheduler_steps: int = 1
     # Speculative decoding, as vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4}; {"model": draft, "num_speculative_tokens": 4}) or a
     # SpeculativeConfig (`pagedjax/core/spec_decode.py`); None: none. Greedy output is
@@ -177,6 +183,15 @@ class EngineConfig:
         check(
             not (self.calculate_kv_scales and self.kv_cache_scales is not None),
             "give calculate_kv_scales or kv_cache_scales, not both",
+        )
+        check(
+            self.num_scheduler_steps >= 1,
+            f"num_scheduler_steps must be positive: {self.num_scheduler_steps}",
+        )
+        check(
+            self.num_scheduler_steps == 1 or self.speculative_config is None,
+            "num_scheduler_steps > 1 and speculative decoding both run several tokens per "
+            "step: choose one (num_scheduler_steps=1 with speculative_config)",
         )
         drafting = self.speculative_config is not None and self.speculative_config.model
         check(

@@ -61,7 +61,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] | str | None = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        deferred: bool = False,
     ) -> None:
+        """deferred: the caller reads the text only once the request is over (vLLM's
+        FINAL_ONLY outputs): without stop strings, the tokens are then decoded once at the
+        end (or at a read) rather than twice a step, with the same text (see `_decode_new`)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -75,6 +79,9 @@ class IncrementalDetokenizer:
         self._longest_stop = max(map(len, self.stop), default=0)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
+        # Only where one decode of many tokens is the sum of the per-step ones: without a
+        # clean-up pass (applied per window) and without stop strings (checked per step).
+        self.deferred = deferred and not self.stop and self._decoder is backend
 
         # Only the prompt's last few tokens matter as context: keep those, not the whole prompt.
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -106,10 +113,12 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """The final text so far: without held-back text, cut at a matched stop string."""
+        self._catch_up()
         return self._text
 
     def get_delta(self) -> str:
         """The text that became final since the last call (for streaming)."""
+        self._catch_up()
         delta = self._text[self._num_sent :]
         self._num_sent = len(self._text)
         return delta
@@ -122,6 +131,8 @@ class IncrementalDetokenizer:
         if self.finished:
             raise RuntimeError("update() after the request finished")
         self._ids.extend(new_token_ids)
+        if self.deferred:
+            return None  # no stop strings: the text waits for a read or finalize()
         may_stop = self.num_output_tokens >= self.min_tokens
         return self._add_text(self._decode_new(flush=False), may_stop)
 
@@ -138,6 +149,11 @@ class IncrementalDetokenizer:
         self._held = ""
         self.finished = True
 
+    def _catch_up(self) -> None:
+        """A deferred detokenizer's text, up to its last complete character, before a read."""
+        if self.deferred and not self.finished:
+            self._release(self._decode_new(flush=False))
+
     def _decode(self, ids: list[int]) -> str:
         return self._decoder.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -145,7 +161,10 @@ class IncrementalDetokenizer:
         """The text of the tokens not yet read; "" while it ends in an incomplete character.
 
         Cost: two decodes of the window, which spans the previous step's tokens and the new ones
-        (longer only while a character stays incomplete), not the whole output.
+        (longer only while a character stays incomplete), not the whole output. A window of
+        many new tokens (a deferred detokenizer's) gives the text that one window per token
+        would: the decoder maps tokens to bytes independently, and text is taken only at
+        complete characters.
         """
         if self._read_offset == len(self._ids):
             return ""

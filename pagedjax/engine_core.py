@@ -21,7 +21,7 @@ from pagedjax.core.sched_policy import POLICIES
 from pagedjax.core.scheduler import Scheduler
 from pagedjax.core.swap_policy import SwapCostModel, preemption_policy
 from pagedjax.errors import InvalidRequestError
-from pagedjax.worker.model_runner import StepHandle
+from pagedjax.worker.model_runner import StepHandle, seqs_bucket
 from pagedjax.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,12 @@ class EngineCore:
             policy=POLICIES[config.scheduling_policy](),
             prefer_swap=prefer_swap,
             speculative=config.speculative_config,
+            num_scheduler_steps=config.num_scheduler_steps,
+            placeholder_stride=seqs_bucket(config),
         )
-        self.num_steps = 0
+        self.num_steps = 0  # steps dispatched
+        self.num_model_steps = 0  # forward passes they ran (several per multi-step step)
+        self.device_wait_s = 0.0  # time blocked on steps' results: the rest is the host's
         # Async scheduling: the step on the device while the next one is scheduled.
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # (end time, tokens sampled) of recent steps, for the tokens/s statistic.
@@ -179,14 +183,18 @@ class EngineCore:
 
     def _complete(self, out: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
         """Waits for a dispatched step and updates its requests from what it produced."""
+        start = time.perf_counter()
         try:
             result = handle.result()
         except Exception:
             logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
             return self._fail_step(out)
+        self.device_wait_s += time.perf_counter() - start
         self.num_steps += 1
+        self.num_model_steps += out.num_steps
         outputs = self.scheduler.update_from_output(out, result)
-        self._recent_steps.append((time.monotonic(), len(out.row_requests)))
+        sampled = sum(out.row_steps) if out.row_steps else len(out.row_requests)
+        self._recent_steps.append((time.monotonic(), sampled))
         return outputs
 
     def _fail_step(self, out: SchedulerOutput) -> list[EngineCoreOutput]:

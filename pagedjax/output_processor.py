@@ -115,6 +115,7 @@ class OutputProcessor:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
+                deferred=params.output_kind is RequestOutputKind.FINAL_ONLY,
             )
             state.sequences.append(_Sequence(detokenizer))
         return state.sequences[index]

@@ -358,3 +358,47 @@ def test_decode_options_of_the_tokenizer_apply():
         detok = stream(tok, [], ids)[0]
         assert detok.output_text == tok.decode(ids)
         assert (detok._decoder is tok.backend_tokenizer) is not clean_up
+
+
+@pytest.mark.parametrize("tok_name", ["tiny_tok", "smol_tok"])
+def test_deferred_text_equals_streamed_text(request, tok_name):
+    """FINAL_ONLY outputs decode once at the end (or at a read) instead of twice a step: the
+    same text as token by token, whatever the prompt context, special tokens and split
+    characters; stop strings and clean-up tokenizers keep decoding per step."""
+    tok = request.getfixturevalue(tok_name)
+    rng = random.Random(2)
+    for _ in range(150):
+        ids = random_ids(rng, tok, rng.randint(0, 40))
+        prompt = random_ids(rng, tok, rng.randint(0, 8))
+        skip = rng.random() < 0.5
+        streamed = stream(tok, prompt, ids, skip_special_tokens=skip)[0]
+        deferred = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, deferred=True)
+        assert deferred.deferred
+        read_at = rng.randint(0, len(ids))  # a read mid-way decodes what came so far
+        deferred.update(ids[:read_at])
+        assert streamed.output_text.startswith(deferred.output_text)
+        for token in ids[read_at:]:
+            assert deferred.update([token]) is None
+        deferred.finalize()
+        assert deferred.output_text == streamed.output_text, (prompt, ids)
+    assert not IncrementalDetokenizer(tok, [], stop=["a"], deferred=True).deferred
+
+
+def test_deferred_metaspace_and_clean_up():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hi": 1, "▁there": 2, "▁.": 3}
+    for clean_up in (False, True):
+        backend = Tokenizer(models.WordLevel(vocab, "<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Metaspace()
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend, clean_up_tokenization_spaces=clean_up
+        )
+        ids = [2, 3, 1, 3]
+        deferred = IncrementalDetokenizer(tok, [1], deferred=True)
+        assert deferred.deferred is not clean_up  # clean-up applies per window: per step
+        deferred.update(ids)
+        deferred.finalize()
+        assert deferred.output_text == stream(tok, [1], ids)[0].output_text

@@ -399,12 +399,13 @@ class KVCacheManager:
         (final once this step runs), to the prefix cache; each block is offered once."""
         num_cached = state.num_cached_blocks
         token_ids = request.all_token_ids
-        if token_ids[num_full * self.block_size - 1] < 0:
-            # A placeholder (a token still being sampled, async scheduling) ends the last
-            # block: it is offered once the token is known, at the next allocation.
+        while num_full > num_cached and token_ids[num_full * self.block_size - 1] < 0:
+            # A placeholder (a token still being sampled, async scheduling; several after a
+            # step of several decode steps) ends the block: it is offered once the token is
+            # known, at a later allocation.
             num_full -= 1
-            if num_full <= num_cached:
-                return
+        if num_full <= num_cached:
+            return
         if self.enable_caching:
             block_hashes = state.block_hashes
             extend_block_hashes(

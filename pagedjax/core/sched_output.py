@@ -18,20 +18,17 @@ if TYPE_CHECKING:
     from pagedjax.sampling_params import SamplingParams
 
 
-def placeholder_token(row: int) -> int:
-    """The token id standing for the token that sample row `row` of a step will produce: the
-    scheduler appends it when it schedules the sample, and puts the real token in its place
-    when the step's result comes back. A later step that computes it before then (async
-    scheduling) reads the token from the device."""
-    return -1 - row
+def placeholder_token(row: int, iteration: int = 0, stride: int = 0) -> int:
+    """The token id standing for the token that sample row `row` of a step will produce (in
+    its `iteration`-th decode step, where a step runs several: rows are `stride` apart per
+    iteration on the device): the scheduler appends it when it schedules the sample, and puts
+    the real token in its place when the step's result comes back. A later step that
+    computes it before then (async scheduling) reads the token from the device."""
+    return -1 - (iteration * stride + row)
 
 
 def is_placeholder(token: int) -> bool:
     return token < 0
-
-
-def placeholder_row(token: int) -> int:
-    return -1 - token
 
 
 @dataclass
@@ -93,6 +90,10 @@ class SchedulerOutput:
     forks: list[tuple[EngineRequest, EngineRequest]] = field(default_factory=list)
     # Requests whose prompt logprobs this step computes, with how many, in batch order.
     prompt_logprob_requests: list[tuple[EngineRequest, int]] = field(default_factory=list)
+    # Decode steps the step runs on the device (num_scheduler_steps), and how many of them
+    # each row's sequence takes (fewer where its length limit comes first); empty for one.
+    num_steps: int = 1
+    row_steps: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -105,8 +106,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What a step computed (numpy arrays, one entry per sample row or prompt target)."""
 
-    token_ids: Any  # [rows] int32
-    finite: Any  # [rows] bool: False when the row's logits held NaN or inf
+    token_ids: Any  # [rows] int32 ([rows, num_steps] for a step of several decode steps)
+    finite: Any  # [rows] bool ([rows, num_steps]): False when the row's logits held NaN or inf
     logprobs: Any = None  # TokenLogprobs of the sampled tokens, when asked for
     prompt_logprobs: Any = None  # TokenLogprobs of the prompt targets, in batch order
     accepted: Any = None  # [rows] bool: whether a row's draft token was accepted (drafts only)

@@ -82,10 +82,14 @@ class Scheduler:
         policy: SchedulingPolicy = DEFAULT_POLICY,
         prefer_swap: Callable[[int], bool] | None = None,
         speculative: SpeculativeConfig | None = None,
+        num_scheduler_steps: int = 1,
+        placeholder_stride: int = 0,
     ) -> None:
         """prefer_swap(num_computed_tokens): whether a victim with that much KV is swapped to
         the KV cache manager's host tier (if it has room) rather than recomputed; None:
-        always recompute. speculative: propose draft tokens (None: no speculation)."""
+        always recompute. speculative: propose draft tokens (None: no speculation).
+        num_scheduler_steps: decode steps a step of only decodes may run; placeholder_stride:
+        the runner's row stride between a step's iterations (the padded max_num_seqs)."""
         self.kv = kv_cache_manager
         self.prefer_swap = prefer_swap
         self.policy = policy
@@ -114,6 +118,8 @@ class Scheduler:
         self._drafts_on_device = getattr(self.proposer, "on_device", False)
         self.spec_stats = SpecDecodeStats()
         self._speculating = False  # this step proposes drafts (set per schedule)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.placeholder_stride = placeholder_stride
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
@@ -230,6 +236,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # a step that preempted admits nothing: the pool is tight
             self._admit_waiting(out, budget)
+        if self.num_scheduler_steps > 1:
+            self._plan_steps(out)
         out.block_copies = self.kv.pop_block_copies()
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
         for index, (request, num_new) in enumerate(out.scheduled):
@@ -237,6 +245,9 @@ class Scheduler:
         # The step's effects on the host are known now: the next schedule (async scheduling
         # runs it while this step is on the device) sees the tokens as computed, each sample
         # as a placeholder token, and the forked siblings as running.
+        if out.row_steps:  # several decode steps: one row per request, in the same order
+            self._advance_steps(out)
+            return out
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
         for parent, child in out.forks:
@@ -249,6 +260,54 @@ class Scheduler:
             sampler.all_token_ids.append(placeholder_token(row))
             sampler.held = sampler.hold_samples
         return out
+
+    def _steps_left(self, request: EngineRequest, num_new: int) -> int:
+        """How many decode steps in a row the request may take without the host (0: none, it
+        needs the host between tokens or is not decoding)."""
+        params = request.params
+        num_output = request.num_output_tokens
+        if (
+            num_new != 1
+            or request.num_computed_tokens + 1 != request.num_tokens
+            or num_output == 0  # its first sample (forks, prompt logprobs)
+            or num_output < params.min_tokens  # stop tokens are masked per token
+            or request.constraints is not None
+            or request.hold_samples
+            or params.logprobs is not None
+            or params.needs_output_on_host
+        ):
+            return 0
+        return min(request.max_tokens - num_output, self.max_model_len - request.num_tokens)
+
+    def _plan_steps(self, out: SchedulerOutput) -> None:
+        """Makes the step several decode steps when every scheduled request decodes and none
+        needs the host between its tokens: as many as the longest-running one can use (a
+        power of two, so few shapes compile), each row capped at its own length limit, and
+        their slots reserved now. A step whose slots do not fit stays a single one."""
+        if out.preempted or not out.scheduled:
+            return
+        left = [self._steps_left(request, num_new) for request, num_new in out.scheduled]
+        longest = max(left)
+        if min(left) == 0 or longest < 2:
+            return
+        num_steps = min(self.num_scheduler_steps, 1 << (longest - 1).bit_length())
+        row_steps = [min(num_steps, n) for n in left]
+        for index, ((request, _), steps) in enumerate(zip(out.scheduled, row_steps, strict=True)):
+            if self.kv.allocate_slots(request, 1, num_lookahead_tokens=steps - 1) is None:
+                for reserved, _ in out.scheduled[:index]:
+                    self.kv.free_tail(reserved)  # the pool is tight: give the reserve back
+                return
+        out.num_steps, out.row_steps = num_steps, row_steps
+
+    def _advance_steps(self, out: SchedulerOutput) -> None:
+        """The host's view after a step of several decode steps: each request has computed
+        as many tokens as it takes steps, and holds a placeholder for each sample."""
+        stride = self.placeholder_stride
+        for row, ((request, _), steps) in enumerate(zip(out.scheduled, out.row_steps, strict=True)):
+            request.num_computed_tokens += steps
+            tokens = request.all_token_ids
+            out.row_positions.append(len(tokens))
+            tokens += [placeholder_token(row, i, stride) for i in range(steps)]
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in policy order (arrival order among equals: sort is
@@ -470,6 +529,11 @@ class Scheduler:
             first += count
         positions, spec_rows = out.row_positions, out.spec_rows
         row, rows = 0, out.row_requests
+        if out.row_steps:
+            for row, (request, steps) in enumerate(zip(rows, out.row_steps, strict=True)):
+                if not request.status.finished:
+                    outputs.append(self._append_tokens(request, row, positions[row], steps, result))
+            return outputs
         while row < len(rows):
             request = rows[row]
             k = spec_rows.get(row) if spec_rows else None
@@ -557,6 +621,36 @@ class Scheduler:
         if status is not None:
             self.finish(request, status)
         return self._output(request, [token], result, row, status)
+
+    def _append_tokens(
+        self,
+        request: EngineRequest,
+        row: int,
+        position: int,
+        steps: int,
+        result: ModelRunnerOutput,
+    ) -> EngineCoreOutput:
+        """A row's tokens from a step of several decode steps, in place of its placeholders,
+        up to the first that ends the request (the loop ran on past it: those are dropped)."""
+        tokens: list[int] = []
+        status = None
+        all_tokens = request.all_token_ids
+        token_ids, finite = result.token_ids[row], result.finite[row]
+        for i in range(steps):
+            if not finite[i]:
+                status = self._non_finite(request)
+                break
+            token = int(token_ids[i])
+            all_tokens[position + i] = token
+            tokens.append(token)
+            status = self._check_stop(request, token, position + i + 1)
+            if status is not None:
+                break
+        self.num_generated_tokens += len(tokens)
+        if status is not None:
+            del all_tokens[position + len(tokens) :]
+            self.finish(request, status)
+        return self._output(request, tokens, result, row, status)
 
     def _check_stop(
         self, request: EngineRequest, token: int, num_tokens: int

@@ -29,7 +29,6 @@ from kernels_pallas.kv_cache import (
     PAD_SLOT,
     KVCache,
     allocate_kv_cache,
-    copy_blocks,
     with_scales,
 )
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
@@ -43,6 +42,7 @@ from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSe
 from pagedjax.sampler import (
     SamplerOutput,
     SamplingKernels,
+    SamplingMetadata,
     TokenLogprobs,
     build_sampling_metadata,
     needs_penalties,
@@ -51,6 +51,7 @@ from pagedjax.sampler import (
     sample,
 )
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.device_steps import decode_steps, fixed_rows, forward_step, set_rows
 from pagedjax.worker.draft_model import (
     ChainInputs,
     DraftModel,
@@ -94,6 +95,12 @@ def token_buckets(
     return sorted({*buckets, *extra, max_num_batched_tokens})
 
 
+def seqs_bucket(config: EngineConfig) -> int:
+    """The padded sequence count of a step: max_num_seqs up to a power of two (also the row
+    stride between the iterations of a step of several decode steps)."""
+    return next_power_of_2(config.max_num_seqs)
+
+
 def activation_bytes(
     config: ModelConfig,
     params: Params,
@@ -122,71 +129,6 @@ def activation_bytes(
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-# Module-level, so engines over the same model and shapes share its compilations.
-@partial(
-    jax.jit,
-    static_argnames=("config", "attention_fn", "decode_only", "tp"),
-    donate_argnames=("kv_cache",),
-)
-def _forward_step(
-    params,
-    token_ids,  # [T] int32
-    sources,  # [T] int32: -1, or the previous step's sample row whose token this one is
-    previous,  # [P] int32: the previous step's sampled tokens (async scheduling)
-    positions,
-    kv_cache,
-    metadata,
-    rows,
-    copies,
-    config,
-    attention_fn,
-    decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
-    tp: TensorParallel | None = None,  # the tensor-parallel group, None for one device
-):
-    if decode_only is not None:
-        attention_fn = partial(attention_fn, decode_only=decode_only)
-    token_ids = jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
-    step = partial(_model_step, attention_fn=attention_fn)
-    inputs = (token_ids, positions, metadata, rows, copies)
-    if tp is None:
-        return step(params, kv_cache, *inputs, config=config, axis_name=None)
-    return tp.run(step, params, kv_cache, *inputs)
-
-
-def _model_step(
-    params,
-    kv_cache,
-    token_ids,
-    positions,
-    metadata,
-    rows,
-    copies,
-    *,
-    config,
-    axis_name,
-    attention_fn,
-):
-    """Copy-on-write copies, then the forward: per shard under tensor parallelism."""
-    if copies.shape[0]:
-        kv_cache = copy_blocks(kv_cache, copies)
-    return forward_logits(
-        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn, axis_name
-    )
-
-
-@partial(jax.jit, static_argnames=("size",))
-def _fixed_rows(token_ids: jax.Array, size: int) -> jax.Array:
-    """A step's sampled tokens ([rows], padded per step) at a fixed length [size], so the next
-    forward's shape does not depend on the previous step's row bucket."""
-    return jnp.zeros(size, jnp.int32).at[: min(size, token_ids.shape[0])].set(token_ids[:size])
-
-
-@partial(jax.jit, static_argnames=("count",))
-def _set_rows(logits: jax.Array, index: jax.Array, values: jax.Array, count: int) -> jax.Array:
-    """logits with rows index[:count] replaced by values[:count] (the rest is padding)."""
-    return logits.at[index[:count]].set(values[:count])
-
-
 @dataclass
 class StepHandle:
     """A dispatched step: device arrays until `result()` waits for them (the step's one sync)."""
@@ -204,6 +146,9 @@ class StepHandle:
         if self.token_ids is None:
             empty = np.zeros(0, np.int32), np.zeros(0, bool)
             return ModelRunnerOutput(*empty, None, _fetch(self.prompt_logprobs, self.num_targets))
+        if self.token_ids.ndim == 2:  # [steps, rows] of several decode steps: [rows, steps]
+            tokens, finite = np.asarray(self.token_ids)[:, :n].T, np.asarray(self.finite)[:, :n].T
+            return ModelRunnerOutput(tokens, finite)
         return ModelRunnerOutput(
             np.asarray(self.token_ids)[:n],
             np.asarray(self.finite)[:n],
@@ -282,7 +227,7 @@ class ModelRunner:
         self.token_buckets = token_buckets(
             config.max_num_batched_tokens, drafted_step, config.batch_invariant
         )
-        self.max_seqs_bucket = next_power_of_2(config.max_num_seqs)
+        self.max_seqs_bucket = seqs_bucket(config)
         self.max_num_seqs = config.max_num_seqs
         # Only then is decode-only a static flag of the step, and a key of its compilations.
         self.has_decode_kernel = attention.has_decode_kernel
@@ -303,7 +248,9 @@ class ModelRunner:
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
-        self._no_previous = self._place(jnp.zeros(max_seqs, jnp.int32))
+        self.num_scheduler_steps = config.num_scheduler_steps
+        # The previous step's samples as the next one reads them: a row stride per iteration.
+        self._no_previous = self._place(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
         self._no_copies = np.zeros((0, 2), np.int32)
         # With a draft model, placeholders name the previous step's samples, then the drafts:
         # [max_seqs + max_seqs * k], the shape of every step's `previous`.
@@ -348,7 +295,7 @@ class ModelRunner:
         decode_only: bool | None = None,
     ):
         return self._compiled(
-            _forward_step,
+            forward_step,
             params,
             token_ids,
             sources,
@@ -378,7 +325,7 @@ class ModelRunner:
         if not draft.attention.has_decode_kernel:
             decode_only = None
         _, self.draft_cache = self._compiled(
-            _forward_step,
+            forward_step,
             draft.params,
             tokens,
             sources,
@@ -561,14 +508,19 @@ class ModelRunner:
         num_prompt_logprobs: int | None = None,
         previous: StepHandle | None = None,
         swaps: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] = ((), ()),
+        num_steps: int = 1,
+        row_steps: Sequence[int] = (),
     ) -> StepHandle:
         """Dispatches one step without waiting for it: the swaps (device -> host copies,
         then host -> device), copy-on-write copies, the forward, a sample for each row, and
         the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
-        ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device."""
+        ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device.
+        num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r]."""
         self._swap(*swaps)
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
+        if num_steps > 1:
+            return self._dispatch_steps(seqs, rows, block_copies, previous, num_steps, row_steps)
         sample_rows, prompt_rows, targets = _logits_rows(seqs, rows)
         num_rows = len(rows) + len(prompt_rows)
         tokens, positions, metadata, r_pad, copies, sources, drafted = self.prepare(
@@ -576,10 +528,7 @@ class ModelRunner:
         )
         logits_rows = np.zeros(r_pad, np.int32)
         logits_rows[:num_rows] = sample_rows + prompt_rows
-        if previous is not None and previous.token_ids is not None:
-            sampled = _fixed_rows(previous.token_ids, self.max_seqs_bucket)
-        else:
-            sampled = self._no_previous
+        sampled = self._previous(previous)
         decode_only = self._decode_only(seqs)
         drafts = None
         if self.draft is not None:
@@ -616,6 +565,55 @@ class ModelRunner:
             len(targets),
             out.accepted,
         )
+
+    def _previous(self, previous: StepHandle | None) -> jax.Array:
+        """The previous step's samples where this step's placeholders name them."""
+        if previous is None or previous.token_ids is None:
+            return self._no_previous
+        size = self._no_previous.shape[0]
+        return fixed_rows(previous.token_ids, self.max_seqs_bucket, size)
+
+    def _dispatch_steps(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        rows: Sequence[SampleRow],
+        block_copies: Sequence[tuple[int, int]],
+        previous: StepHandle | None,
+        num_steps: int,
+        row_steps: Sequence[int],
+    ) -> StepHandle:
+        """num_steps decode steps of one token per sequence in one dispatch (`decode_steps`):
+        the slots are reserved, each row's draws are those single steps would make."""
+        tokens, positions, metadata, r_pad, copies, sources, _ = self.prepare(
+            seqs, len(rows), block_copies
+        )
+        limits = np.zeros(len(tokens), np.int32)
+        limits[: len(row_steps)] = row_steps
+        params = [r.params for r in rows]
+        tokens_out, finite, self.kv_cache = self._compiled(
+            decode_steps,
+            self.params,
+            tokens,
+            sources,
+            self._previous(previous),
+            positions,
+            self.kv_cache,
+            metadata,
+            np.arange(r_pad, dtype=np.int32),
+            copies,
+            limits,
+            self._sampling_metadata(rows, r_pad),
+            config=self.model_config,
+            attention_fn=self.attention,
+            decode_only=True if self.has_decode_kernel else None,
+            tp=self.tp,
+            num_steps=num_steps,
+            block_size=self.block_size,
+            kernels=self.sampling,
+            use_truncation=needs_truncation(params),
+            all_greedy=all(p.greedy for p in params),
+        )
+        return StepHandle(tokens_out, finite, None, None, len(rows), 0)
 
     def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):
         """The step's swaps, out first: a block swapped in may be one a victim just left."""
@@ -655,18 +653,7 @@ class ModelRunner:
         params = [r.params for r in rows]
         draft_ids = [r.draft_token for r in rows]
         draft_ids = draft_ids if any(d >= 0 for d in draft_ids) or drafted else None
-        meta = build_sampling_metadata(
-            params,
-            [r.token_ids for r in rows],
-            [r.num_prompt_tokens for r in rows],
-            [r.seed for r in rows],
-            num_rows=r_pad,
-            extra_bias=[r.extra_bias for r in rows],
-            history_width=self.max_blocks_per_seq * self.block_size,
-            num_tokens=[r.num_tokens for r in rows],
-            token_mask=token_mask,
-            draft_token_ids=draft_ids,
-        )
+        meta = self._sampling_metadata(rows, r_pad, token_mask, draft_ids)
         if drafted:
             k = self.draft.num_speculative_tokens
             index = verify_index(drafted, [(r.seq_index, r.offset) for r in rows], k, r_pad)
@@ -684,6 +671,26 @@ class ModelRunner:
         )
         return out, num_logprobs
 
+    def _sampling_metadata(
+        self,
+        rows: Sequence[SampleRow],
+        r_pad: int,
+        token_mask: np.ndarray | None = None,
+        draft_ids: list[int] | None = None,
+    ) -> SamplingMetadata:
+        return build_sampling_metadata(
+            [r.params for r in rows],
+            [r.token_ids for r in rows],
+            [r.num_prompt_tokens for r in rows],
+            [r.seed for r in rows],
+            num_rows=r_pad,
+            extra_bias=[r.extra_bias for r in rows],
+            history_width=self.max_blocks_per_seq * self.block_size,
+            num_tokens=[r.num_tokens for r in rows],
+            token_mask=token_mask,
+            draft_token_ids=draft_ids,
+        )
+
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come
         back from the device (this step's one extra wait), and go back changed."""
@@ -700,7 +707,7 @@ class ModelRunner:
             host[j] = apply_processors(processors, prompt, output, host[j].copy())
         values = np.zeros((len(index), host.shape[1]), np.float32)
         values[: len(which)] = host
-        return _set_rows(logits, index, values, len(which))
+        return set_rows(logits, index, values, len(which))
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool (and draft pool), when a failed step left the donated one
@@ -758,7 +765,7 @@ class ModelRunner:
         (params, tokens, positions, cache, metadata, rows, copies, sources, previous) = (
             self._padding_step(t_pad, self.width_buckets[0])
         )
-        traced = _forward_step.trace(
+        traced = forward_step.trace(
             params,
             tokens,
             sources,

@@ -484,9 +484,9 @@ class Worker:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are
         `previous`'s samples."""
         inputs = (out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
-        swaps = (out.swaps_out, out.swaps_in)
-        self._publish("step", (*inputs, previous is not None, swaps))
-        return self.runner.dispatch(*inputs, previous, swaps)
+        swaps, steps = (out.swaps_out, out.swaps_in), (out.num_steps, out.row_steps)
+        self._publish("step", (*inputs, previous is not None, swaps, steps))
+        return self.runner.dispatch(*inputs, previous, swaps, *steps)
 
     def warmup(self) -> float:
         """Compiles every step shape; returns the seconds spent."""
@@ -501,9 +501,9 @@ class Worker:
     def follow(self, kind: str, payload: object) -> None:
         """A follower makes the device call the leader's worker announced."""
         if kind == "step":
-            *inputs, has_previous, swaps = payload
+            *inputs, has_previous, swaps, steps = payload
             previous = self._last if has_previous else None
-            self._last = self.runner.dispatch(*inputs, previous, swaps)
+            self._last = self.runner.dispatch(*inputs, previous, swaps, *steps)
         elif kind == "warmup":
             self.runner.warmup()
         elif kind == "reset":

@@ -1,0 +1,192 @@
+"""The engine's jitted device functions: one step's forward, and several decode steps in one
+compiled loop (`decode_steps`, vLLM V0's multi-step scheduling, tpu-inference's
+continue_decode).
+
+Module-level, so engines over the same model and shapes share their compilations. The KV pool
+is donated: each call updates it in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.kv_cache import PAD_SLOT, copy_blocks
+from kernels_pallas.metadata import AttentionMetadata
+from models.llama import forward_logits
+from models.tensor_parallel import TensorParallel
+from pagedjax.sampler import SamplingKernels, SamplingMetadata, sample
+
+
+def model_step(
+    params,
+    kv_cache,
+    token_ids,
+    positions,
+    metadata,
+    rows,
+    copies,
+    *,
+    config,
+    axis_name,
+    attention_fn,
+):
+    """Copy-on-write copies, then the forward: per shard under tensor parallelism."""
+    if copies.shape[0]:
+        kv_cache = copy_blocks(kv_cache, copies)
+    return forward_logits(
+        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn, axis_name
+    )
+
+
+def _run_model(params, kv_cache, inputs, config, attention_fn, decode_only, tp):
+    """(logits [R, V], kv_cache) of `model_step` on one device or over the tp group."""
+    if decode_only is not None:
+        attention_fn = partial(attention_fn, decode_only=decode_only)
+    step = partial(model_step, attention_fn=attention_fn)
+    if tp is None:
+        return step(params, kv_cache, *inputs, config=config, axis_name=None)
+    return tp.run(step, params, kv_cache, *inputs)
+
+
+def _with_previous(token_ids: jax.Array, sources: jax.Array, previous: jax.Array) -> jax.Array:
+    """The step's tokens, placeholders replaced by the previous step's samples they name."""
+    return jnp.where(sources >= 0, previous[jnp.maximum(sources, 0)], token_ids)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("config", "attention_fn", "decode_only", "tp"),
+    donate_argnames=("kv_cache",),
+)
+def forward_step(
+    params,
+    token_ids,  # [T] int32
+    sources,  # [T] int32: -1, or the index in `previous` of the sample this token is
+    previous,  # [P] int32: the previous step's sampled tokens (async scheduling)
+    positions,
+    kv_cache,
+    metadata,
+    rows,
+    copies,
+    config,
+    attention_fn,
+    decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
+    tp: TensorParallel | None = None,  # the tensor-parallel group, None for one device
+):
+    token_ids = _with_previous(token_ids, sources, previous)
+    inputs = (token_ids, positions, metadata, rows, copies)
+    return _run_model(params, kv_cache, inputs, config, attention_fn, decode_only, tp)
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "config",
+        "attention_fn",
+        "decode_only",
+        "tp",
+        "num_steps",
+        "block_size",
+        "kernels",
+        "use_truncation",
+        "all_greedy",
+    ),
+    donate_argnames=("kv_cache",),
+)
+def decode_steps(
+    params,
+    token_ids,  # [T] int32: each sequence's last token (sequence t is token t)
+    sources,  # [T] int32: as forward_step's
+    previous,  # [P] int32
+    positions,  # [T] int32: the last tokens' positions
+    kv_cache,
+    metadata: AttentionMetadata,  # the first step's: one token per sequence
+    rows,  # [R] int32: the logits rows, row r is sequence r
+    copies,
+    limits,  # [T] int32: the steps each sequence takes (its length limit), 0 for padding
+    meta: SamplingMetadata,  # [R] rows; steps counts the first step's draw
+    *,
+    config,
+    attention_fn,
+    decode_only,
+    tp: TensorParallel | None,
+    num_steps: int,
+    block_size: int,
+    kernels: SamplingKernels,
+    use_truncation: bool,
+    all_greedy: bool,
+):
+    """num_steps decode steps: each runs the forward on every sequence's newest token, writes
+    its KV into the sequence's reserved slots and samples the next token on the device.
+    Returns (tokens [num_steps, R], finite [num_steps, R], kv_cache).
+
+    A sequence past its limit repeats its last step (reading only its own context) and
+    writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
+    Every draw is the one a single step would make (its key counts the row's tokens)."""
+    token_ids = _with_previous(token_ids, sources, previous)
+    if copies.shape[0]:
+        kv_cache = copy_blocks(kv_cache, copies)
+    num_tokens, num_rows = token_ids.shape[0], rows.shape[0]
+    num_seqs, width = metadata.block_tables.shape
+    seq = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
+    tables = metadata.block_tables[seq]  # [T, W]: each token's sequence's table
+    seq_limits = jnp.zeros(num_seqs, jnp.int32).at[seq].max(limits)
+    no_copies = jnp.zeros((0, 2), jnp.int32)
+
+    def step(i, carry):
+        token_ids, kv_cache, out_tokens, out_finite = carry
+        offset = jnp.minimum(i, jnp.maximum(limits - 1, 0))  # [T]: stays at the last step
+        pos = positions + offset
+        block = jnp.take_along_axis(tables, jnp.minimum(pos // block_size, width - 1)[:, None], 1)
+        slots = jnp.where(i < limits, block[:, 0] * block_size + pos % block_size, PAD_SLOT)
+        seq_offset = jnp.minimum(i, jnp.maximum(seq_limits - 1, 0))
+        seq_lens = jnp.where(metadata.seq_lens > 0, metadata.seq_lens + seq_offset, 0)
+        step_metadata = dataclasses.replace(metadata, slot_mapping=slots, seq_lens=seq_lens)
+        inputs = (token_ids, pos, step_metadata, rows, no_copies)
+        run = (config, attention_fn, decode_only, tp)
+        logits, kv_cache = _run_model(params, kv_cache, inputs, *run)
+        step_meta = dataclasses.replace(meta, steps=meta.steps + i)
+        out = sample(
+            logits,
+            step_meta,
+            kernels,
+            use_penalties=False,
+            use_truncation=use_truncation,
+            all_greedy=all_greedy,
+        )
+        count = min(num_tokens, num_rows)
+        next_tokens = jnp.zeros(num_tokens, jnp.int32).at[:count].set(out.token_ids[:count])
+        out_tokens = out_tokens.at[i].set(out.token_ids)
+        out_finite = out_finite.at[i].set(out.finite)
+        return next_tokens, kv_cache, out_tokens, out_finite
+
+    init = (
+        token_ids,
+        kv_cache,
+        jnp.zeros((num_steps, num_rows), jnp.int32),
+        jnp.zeros((num_steps, num_rows), bool),
+    )
+    _, kv_cache, tokens, finite = jax.lax.fori_loop(0, num_steps, step, init)
+    return tokens, finite, kv_cache
+
+
+@partial(jax.jit, static_argnames=("stride", "size"))
+def fixed_rows(token_ids: jax.Array, stride: int, size: int) -> jax.Array:
+    """A step's sampled tokens ([rows], or [steps, rows] from `decode_steps`; rows padded per
+    step) at a fixed length [size]: iteration i's row r at i * stride + r, where the next
+    step's placeholders name it. The next forward's shape then does not depend on the
+    previous step's row bucket or step count."""
+    tokens = token_ids.reshape(-1, token_ids.shape[-1])
+    rows = min(stride, tokens.shape[1])
+    out = jnp.zeros((size // stride, stride), jnp.int32)
+    return out.at[: tokens.shape[0], :rows].set(tokens[:, :rows]).reshape(-1)
+
+
+@partial(jax.jit, static_argnames=("count",))
+def set_rows(logits: jax.Array, index: jax.Array, values: jax.Array, count: int) -> jax.Array:
+    """logits with rows index[:count] replaced by values[:count] (the rest is padding)."""
+    return logits.at[index[:count]].set(values[:count])

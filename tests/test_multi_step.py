@@ -1,0 +1,121 @@
+"""Several decode steps per dispatch (num_scheduler_steps): every token, greedy or seeded, must
+equal single steps, whatever the scheduling, memory pressure, stops and aborts around it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedjax.config import EngineConfig
+from pagedjax.sampling_params import SamplingParams
+from tests.test_async_scheduling import MIXED, all_tokens
+from tests.test_engine import GREEDY, hf_greedy, make_engine, make_prompts, run, tokens_of
+
+STEPS = 4
+# Rows that run several steps (greedy, seeded draws with truncation, stop tokens, n > 1 once
+# forked) beside rows that need the host between tokens (penalties, min_tokens, logprobs).
+PARAMS = [
+    *MIXED,
+    SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=7),
+    SamplingParams(max_tokens=13, temperature=0.0, stop_token_ids=[5, 9, 17, 33]),
+]
+
+
+def check_multi_step(engine) -> None:
+    """The engine ran steps of several decode steps and gave every block back."""
+    core = engine.engine_core
+    assert core.num_model_steps > core.num_steps
+    assert core.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 8},  # chunked prefill beside decodes
+        {"num_kv_blocks": 14, "block_size": 8, "max_model_len": 64},  # preemption
+        {"enable_prefix_caching": True, "block_size": 8},
+    ],
+    ids=["plain", "chunked", "preempting", "prefix_cached"],
+)
+def test_tokens_equal_single_steps(tiny, options, async_scheduling):
+    prompts = make_prompts(len(PARAMS), seed=21)
+    if options.get("enable_prefix_caching"):  # shared prefixes, hit while others decode
+        prompts = prompts + [prompts[0][:20] + p for p in prompts[:4]]
+    params = (PARAMS * 2)[: len(prompts)]
+    single = run(make_engine(tiny, async_scheduling=async_scheduling, **options), prompts, params)
+    engine = make_engine(
+        tiny, async_scheduling=async_scheduling, num_scheduler_steps=STEPS, **options
+    )
+    assert all_tokens(run(engine, prompts, params)) == all_tokens(single)
+    check_multi_step(engine)
+    if "num_kv_blocks" in options:
+        assert engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_greedy_matches_transformers(tiny):
+    prompts = make_prompts(4, seed=22)
+    engine = make_engine(tiny, num_scheduler_steps=8)
+    outputs = run(engine, prompts, SamplingParams(max_tokens=19, **GREEDY))
+    hf_model = tiny("llama")[1]
+    for prompt, tokens in zip(prompts, tokens_of(outputs), strict=True):
+        assert tokens == hf_greedy(hf_model, prompt, 19)
+    check_multi_step(engine)
+
+
+def test_stop_strings_end_requests_where_single_steps_do(tiny):
+    """The loop runs on past a stop string: the text and tokens after it are dropped."""
+    prompts = make_prompts(4, seed=23)
+    plain = run(make_engine(tiny), prompts, SamplingParams(max_tokens=20, **GREEDY))
+    texts = [o.outputs[0].text for o in plain]
+    stops = [" " + t.split()[len(t.split()) * 2 // 3] for t in texts]  # a word late in the text
+    params = [SamplingParams(max_tokens=20, stop=[s], **GREEDY) for s in stops]
+    expected = run(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, num_scheduler_steps=STEPS)
+    got = run(engine, prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert tokens_of(got) == tokens_of(expected)
+    assert any(o.outputs[0].stop_reason is not None for o in got)
+    check_multi_step(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_abort_mid_loop_frees_the_request_and_spares_the_others(tiny, async_scheduling):
+    prompts = make_prompts(3, seed=24)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    expected = tokens_of(run(make_engine(tiny), prompts, params))
+    engine = make_engine(tiny, num_scheduler_steps=8, async_scheduling=async_scheduling)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    for _ in range(3):  # the prefill, then loops of 8 decode steps
+        engine.step()
+    assert engine.engine_core.num_model_steps > engine.engine_core.num_steps
+    engine.abort_request("1")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["0"] == expected[0] and done["2"] == expected[2]
+    assert "1" not in done
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_a_steady_workload_compiles_nothing_new(tiny):
+    engine = make_engine(tiny, num_scheduler_steps=STEPS)
+    prompts = make_prompts(6, seed=25)
+    run(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
+    compiled = engine.engine_core.worker.runner.num_compilations
+    run(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
+    assert engine.engine_core.worker.runner.num_compilations == compiled
+
+
+def test_config_refuses_what_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="num_scheduler_steps must be positive"):
+        EngineConfig(model=str(tmp_path), num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="choose one"):
+        EngineConfig(
+            model=str(tmp_path),
+            num_scheduler_steps=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )

@@ -17,7 +17,8 @@ used before, adds about 1 us per Python call and so overstates host time at 256 
 tokens), so a step is the engine's host work alone: microseconds of CPU time per step, the
 number that bounds a GPU's steps per second. Measured for the two output kinds that matter:
 CUMULATIVE (every running request gets an output each step, as `LLMEngine.step` callers
-stream) and FINAL_ONLY (what `LLM.generate` asks for).
+stream) and FINAL_ONLY (what `LLM.generate` asks for), with one decode step per dispatch and
+--multi-step of them (then also per token-step).
 
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
@@ -146,14 +147,28 @@ def host_only(args) -> None:
         finite = np.ones(rows, bool)
         return types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
 
-    real_sample = model_runner.sample
+    class RandomSteps:
+        """decode_steps' stub: [num_steps, rows] random tokens."""
+
+        def __call__(self, *arrays, num_steps: int, **options):
+            rows = arrays[7].shape[0]  # the logits rows
+            tokens = rng.choice(words, (num_steps, rows)).astype(np.int32)
+            return tokens, np.ones((num_steps, rows), bool), arrays[5]  # the pool
+
+        def _cache_size(self) -> int:
+            return 0
+
+    real_sample, real_steps = model_runner.sample, model_runner.decode_steps
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
-    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+    for num_steps, kind in [(k, kind) for k in sorted({1, args.multi_step}) for kind in kinds]:
         # A large budget prefills everyone in a few steps, so all requests start level and
         # run to the end of the measured steps within 384 tokens.
-        llm = make_llm(args.running, args.model, max_num_batched_tokens=8192)
+        llm = make_llm(
+            args.running, args.model, max_num_batched_tokens=8192, num_scheduler_steps=num_steps
+        )
         engine = llm.llm_engine
         if words is None:
             decode = llm.get_tokenizer().decode
@@ -161,25 +176,32 @@ def host_only(args) -> None:
             ids = range(1000, min(40000, vocab_size))
             words = np.array([i for i in ids if "\n" not in decode([i])])
         # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
-        model_runner.sample = random_tokens
+        model_runner.sample, model_runner.decode_steps = random_tokens, RandomSteps()
         engine.engine_core.worker.runner._forward = no_forward
+        # As many tokens per row as one step per dispatch: fewer dispatches of several.
+        warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
         start_requests(llm, args.running, warm_steps + args.steps + 16, output_kind=kind)
-        for _ in range(warm_steps):
+        for _ in range(warm):
             engine.step()
-        cpu_times = []
-        for _ in range(args.steps):
+        core = engine.engine_core
+        cpu_times, token_steps = [], core.num_model_steps
+        for _ in range(steps):
             start = time.thread_time()  # CPU time: steadier than wall time on a shared VM
             engine.step()
             cpu_times.append(time.thread_time() - start)
-        assert len(engine.engine_core.scheduler.running) == args.running, "a request ended early"
-        assert engine.engine_core.scheduler.num_preemptions == 0
-        name = kind.name.lower()
+        token_steps = (core.num_model_steps - token_steps) / steps  # per dispatch
+        assert len(core.scheduler.running) == args.running, "a request ended early"
+        assert core.scheduler.num_preemptions == 0
+        name = kind.name.lower() if num_steps == 1 else f"k{num_steps}_{kind.name.lower()}"
         median = statistics.median(cpu_times)
         result[f"{name}_us_per_step_median"] = 1e6 * median
         result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
         result[f"{name}_us_per_row_median"] = 1e6 * median / args.running
-        model_runner.sample = real_sample
-        del llm, engine
+        if num_steps > 1:
+            result[f"{name}_token_steps_per_step"] = token_steps
+            result[f"{name}_us_per_token_step_median"] = 1e6 * median / token_steps
+        model_runner.sample, model_runner.decode_steps = real_sample, real_steps
+        del llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)
 
 
@@ -262,7 +284,10 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
     parser.add_argument("--generate", action="store_true", help="LLM.generate's ms per step")
     parser.add_argument(
-        "--multi-step", type=int, default=8, help="--generate: num_scheduler_steps beside 1"
+        "--multi-step",
+        type=int,
+        default=8,
+        help="num_scheduler_steps beside 1 (--generate, --host-only)",
     )
     parser.add_argument(
         "--model", default=None, help="a model directory (default: the default model); on a "

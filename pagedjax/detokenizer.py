@@ -126,15 +126,37 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends tokens; returns the stop string that now appears in the text, else None.
 
-        After a match the request must finish (finish_reason "stop", stop_reason = the string).
+        After a match the request must finish (finish_reason "stop", stop_reason = the string),
+        and the tokens after the one that completed it are not kept. Several tokens are decoded
+        in one window; only when their text holds a match are they replayed one at a time, to
+        find that token.
         """
         if self.finished:
             raise RuntimeError("update() after the request finished")
-        self._ids.extend(new_token_ids)
         if self.deferred:
+            self._ids.extend(new_token_ids)
             return None  # no stop strings: the text waits for a read or finalize()
+        several = len(new_token_ids) > 1 and self.stop
+        saved = self._save() if several else None
+        self._ids.extend(new_token_ids)
         may_stop = self.num_output_tokens >= self.min_tokens
-        return self._add_text(self._decode_new(flush=False), may_stop)
+        matched = self._add_text(self._decode_new(flush=False), may_stop)
+        if matched is None or not several:
+            return matched
+        self._restore(saved)
+        for token in new_token_ids:
+            matched = self.update([token])
+            if matched is not None:
+                return matched
+        return None
+
+    def _save(self) -> tuple:
+        return (len(self._ids), self._prefix_offset, self._read_offset, self._text, self._held)
+
+    def _restore(self, saved: tuple) -> None:
+        num_ids, self._prefix_offset, self._read_offset, self._text, self._held = saved
+        del self._ids[num_ids:]
+        self.finished, self.stop_reason = False, None
 
     def finalize(self) -> None:
         """Finishes the request for a reason other than a stop string: releases all text.

@@ -183,19 +183,14 @@ class OutputProcessor:
         """Applies a sequence's new token; returns its status if it ended (the core's, or a
         stop string's)."""
         seq, params = self._sequence(state, out.index), state.params
+        tokens = out.new_token_ids
+        if tokens and state.first_token_time is None and out.index == 0:
+            state.first_token_time = now
         stop_string = None
-        # Several tokens: a step that verified drafts (their logprobs in consecutive rows).
-        for row, token in enumerate(out.new_token_ids, start=out.logprobs_row):
-            if state.first_token_time is None and out.index == 0:
-                state.first_token_time = now
-            if out.logprobs is not None and params.logprobs is not None:
-                seq.cumulative_logprob += float(out.logprobs.logprobs[row])
-                seq.logprobs.append(
-                    logprob_entry(token, out.logprobs, row, params.logprobs, self.token_text)
-                )
-            stop_string = seq.detokenizer.update([token])
-            if stop_string is not None:
-                break  # the tokens after a stop string are not output
+        if out.logprobs is not None and params.logprobs is not None:
+            stop_string = self._add_with_logprobs(seq, out, params.logprobs)
+        elif tokens:  # several: a step that verified drafts, or ran several decode steps
+            stop_string = seq.detokenizer.update(tokens)  # drops those after a stop string
         status, stop_reason = out.status, out.stop_reason
         by_stop_string = stop_string is not None and status is not RequestStatus.FINISHED_STOPPED
         if by_stop_string:
@@ -206,6 +201,17 @@ class OutputProcessor:
             seq.detokenizer.finalize()
         seq.status, seq.stop_reason, seq.finish_time = status, stop_reason, now
         return status
+
+    def _add_with_logprobs(self, seq: _Sequence, out: EngineCoreOutput, k: int) -> str | None:
+        """Each new token with its logprobs entry (rows from out.logprobs_row on), up to a stop
+        string: the tokens after it are not output."""
+        for row, token in enumerate(out.new_token_ids, start=out.logprobs_row):
+            seq.cumulative_logprob += float(out.logprobs.logprobs[row])
+            seq.logprobs.append(logprob_entry(token, out.logprobs, row, k, self.token_text))
+            stop_string = seq.detokenizer.update([token])
+            if stop_string is not None:
+                return stop_string
+        return None
 
     @staticmethod
     def _make_output(state: RequestState, finished: bool) -> RequestOutput:

@@ -402,3 +402,21 @@ def test_deferred_metaspace_and_clean_up():
         deferred.update(ids)
         deferred.finalize()
         assert deferred.output_text == stream(tok, [1], ids)[0].output_text
+
+
+def test_several_tokens_drop_those_after_a_stop_string(tiny_tok):
+    """A step of several tokens (drafts, several decode steps) is decoded in one window; when a
+    stop string completes inside it, the tokens after the one completing it are not kept."""
+    ids = tiny_tok.encode("Hello, world! The quick brown fox")
+    stop = "world"
+    single = stream(tiny_tok, [], ids, stop=[stop])[0]
+    many = IncrementalDetokenizer(tiny_tok, [], stop=[stop])
+    assert many.update(ids) == stop
+    assert many.output_text == single.output_text == "Hello, "
+    assert many.output_token_ids == single.output_token_ids
+    assert len(many.output_token_ids) < len(ids)
+    # min_tokens: a match before them does not count, one after does, as token by token.
+    late = IncrementalDetokenizer(tiny_tok, [], stop=["o"], min_tokens=len(ids) - 1)
+    assert late.update(ids) == "o"
+    want = stream(tiny_tok, [], ids, stop=["o"], min_tokens=len(ids) - 1)[0]
+    assert late.output_token_ids == want.output_token_ids

@@ -307,7 +307,8 @@ class Scheduler:
             request.num_computed_tokens += steps
             tokens = request.all_token_ids
             out.row_positions.append(len(tokens))
-            tokens += [placeholder_token(row, i, stride) for i in range(steps)]
+            first = placeholder_token(row)
+            tokens += range(first, first - steps * stride, -stride)  # iterations 0..steps-1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in policy order (arrival order among equals: sort is
@@ -632,20 +633,22 @@ class Scheduler:
     ) -> EngineCoreOutput:
         """A row's tokens from a step of several decode steps, in place of its placeholders,
         up to the first that ends the request (the loop ran on past it: those are dropped)."""
-        tokens: list[int] = []
+        row_finite = result.finite[row, :steps]
+        count = steps if row_finite.all() else int(row_finite.argmin())  # up to a NaN row
+        tokens = result.token_ids[row, :count].tolist()
         status = None
+        stop_ids = request.stop_token_ids
+        for i, token in enumerate(tokens):
+            # A row's steps end at its length limit: only its last token can reach it.
+            if i == steps - 1 or token in stop_ids:
+                status = self._check_stop(request, token, position + i + 1)
+                if status is not None:
+                    del tokens[i + 1 :]
+                    break
+        if status is None and count < steps:
+            status = self._non_finite(request)
         all_tokens = request.all_token_ids
-        token_ids, finite = result.token_ids[row], result.finite[row]
-        for i in range(steps):
-            if not finite[i]:
-                status = self._non_finite(request)
-                break
-            token = int(token_ids[i])
-            all_tokens[position + i] = token
-            tokens.append(token)
-            status = self._check_stop(request, token, position + i + 1)
-            if status is not None:
-                break
+        all_tokens[position : position + len(tokens)] = tokens
         self.num_generated_tokens += len(tokens)
         if status is not None:
             del all_tokens[position + len(tokens) :]

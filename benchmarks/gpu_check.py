@@ -1,4 +1,4 @@
-"""One prepared GPU check, safe to run blind: five stages, each in its own subprocesses with its
+"""One prepared GPU check, safe to run blind: six stages, each in its own subprocesses with its
 own time budget, so a hang or a CUDA fault is killed, reported, and the next stage still runs.
 
     python benchmarks/gpu_check.py --out DIR [--cpu] [--only smoke,bench]
@@ -17,7 +17,10 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
                  Pallas backend, greedy tokens against transformers' own; on a GPU also the KV
                  budget against the card's real size, and the fallback to XLA's attention on a
                  real Triton refusal (tiles no GPU holds)                   -> engine.json
-The PASS/FAIL and GB/s table is printed last and written to summary.txt (8 files in all).
+6. host          benchmarks/host_overhead.py --generate --async-only: the engine's ms per
+                 token-step and its host share at 256 rows, 1 and 8 decode steps per dispatch
+                                                                       -> host.log, host.json
+The PASS/FAIL and GB/s table is printed last and written to summary.txt (10 files in all).
 `--cpu`: the same script on the CPU (interpret mode, tiny sizes) so it cannot rot (CI runs it).
 """
 
@@ -44,13 +47,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
-STAGES = ["env", "smoke", "kernel_tests", "bench", "engine"]
-# Seconds per stage (--budget STAGE=SECONDS changes one). GPU: 455 in all, plus 20 s of slack
-# for the driver: under the 8 minutes one device call is planned for; sized from the stage
-# times of the first GPU run (benchmarks/README.md).
+STAGES = ["env", "smoke", "kernel_tests", "bench", "engine", "host"]
+# Seconds per stage (--budget STAGE=SECONDS changes one). GPU: 460 in all, plus 20 s of slack
+# for the driver: the 8 minutes one device call is planned for; sized from the stage times of
+# the first GPU run (benchmarks/README.md: env 9, smoke 24, kernel tests 80, bench 39, engine
+# 66 at most); the host stage is new and unmeasured on a GPU.
 BUDGETS = {
-    "gpu": dict(env=20, smoke=60, kernel_tests=135, bench=120, engine=120),
-    "cpu": dict(env=60, smoke=240, kernel_tests=180, bench=180, engine=240),
+    "gpu": dict(env=20, smoke=60, kernel_tests=120, bench=90, engine=90, host=80),
+    "cpu": dict(env=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120),
 }
 SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
 SMOKE_JOBS = {"gpu": 4, "cpu": 2}  # smoke processes at once (no preallocation: they share the GPU)
@@ -626,6 +630,30 @@ class Check:
         else:
             detail = last_line(log)
         return dict(status=result["status"], seconds=seconds, detail=detail)
+
+    def stage_host(self, limit: float) -> dict:
+        """The engine's host cost per decode step at 256 rows (issue 41): `host_overhead.py
+        --generate` on a model whose device work is small, one decode step per dispatch and 8,
+        async scheduling on; the CPU dry run takes its smoke sizes."""
+        results = self.scratch / "host"
+        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results), TMPDIR=str(self.scratch))
+        cmd = [sys.executable, "benchmarks/host_overhead.py", "--generate", "--async-only"]
+        cmd += ["--smoke"] if self.mode == "cpu" else ["--steps", "64"]
+        log = self.out / "host.log"
+        status, rc, seconds = run_child(cmd, limit, log, env)
+        where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
+        path = where / "host_overhead_generate.json"
+        report = json.loads(path.read_text()) if status == "PASS" and path.exists() else {}
+        (self.out / "host.json").write_text(json.dumps(report, indent=2))
+        if not report:
+            return dict(status="FAIL" if status == "PASS" else status, detail=last_line(log))
+        detail = ", ".join(
+            f"{k}: {report[f'{k}_async_on_ms_per_token_step']:.2f} ms/token-step "
+            f"(host {report[f'{k}_async_on_host_ms_per_token_step']:.2f})"
+            for k in ("k1", "k8")
+        )
+        rows = report["running_requests"]
+        return dict(status=status, seconds=seconds, detail=f"{rows} rows; {detail}")
 
     def run(self, only: list[str]) -> int:
         chosen = [s for s in STAGES if s in only]

@@ -239,7 +239,8 @@ def generate_steps(args) -> None:
 
     rng = random.Random(0)
     result = {"running_requests": args.running, "tokens": args.steps}
-    modes = [(k, a) for k in sorted({1, args.multi_step}) for a in ("off", "on")]
+    asyncs = ("on",) if args.async_only else ("off", "on")
+    modes = [(k, a) for k in sorted({1, args.multi_step}) for a in asyncs]
     for num_steps, mode in modes:
         llm = make_llm(
             args.running,
@@ -288,6 +289,9 @@ def main() -> None:
         type=int,
         default=8,
         help="num_scheduler_steps beside 1 (--generate, --host-only)",
+    )
+    parser.add_argument(
+        "--async-only", action="store_true", help="--generate: only with async scheduling on"
     )
     parser.add_argument(
         "--model", default=None, help="a model directory (default: the default model); on a "

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processes)
 
 FILES = {"env.txt", "smoke.json", "kernel_tests.log", "kernel_tests.xml", "bench.log",
-         "bench.json", "engine.json", "summary.txt"}  # fmt: skip
+         "bench.json", "engine.json", "host.log", "host.json", "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -540,3 +540,45 @@ def test_gc_freeze_can_be_turned_off(tiny, monkeypatch):
 def test_invalid_engine_config_names_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
+    """The runner rebuilds only the draw counters while the batch's requests stay the same;
+    every step's arrays equal a full build's."""
+    import dataclasses
+
+    from pagedjax.sampler import build_sampling_metadata
+
+    engine = make_engine(tiny)
+    runner = engine.engine_core.worker.runner
+    built, reused = runner._sampling_metadata, []
+
+    def checked(rows, r_pad, token_mask=None, draft_ids=None):
+        before = runner._last_sampling
+        meta = built(rows, r_pad, token_mask, draft_ids)
+        reused.append(before is not None and runner._last_sampling is before)
+        full = build_sampling_metadata(
+            [r.params for r in rows],
+            [r.token_ids for r in rows],
+            [r.num_prompt_tokens for r in rows],
+            [r.seed for r in rows],
+            num_rows=r_pad,
+            extra_bias=[r.extra_bias for r in rows],
+            history_width=runner.max_blocks_per_seq * runner.block_size,
+            num_tokens=[r.num_tokens for r in rows],
+            token_mask=token_mask,
+            draft_token_ids=draft_ids,
+        )
+        for field in dataclasses.fields(full):
+            want, got = getattr(full, field.name), getattr(meta, field.name)
+            assert (want is None and got is None) or np.array_equal(want, got), field.name
+        return meta
+
+    runner._sampling_metadata = checked
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=12, min_tokens=5, temperature=0.7, seed=2),
+        SamplingParams(max_tokens=12, **GREEDY),
+    ]
+    run(engine, make_prompts(3, seed=31), params)
+    assert any(reused) and not all(reused)

@@ -248,6 +248,8 @@ class ModelRunner:
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
+        # The last step's sampling arrays and what they were built from (`_sampling_metadata`).
+        self._last_sampling: tuple[list, SamplingMetadata] | None = None
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._place(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
@@ -678,8 +680,19 @@ class ModelRunner:
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
     ) -> SamplingMetadata:
-        return build_sampling_metadata(
-            [r.params for r in rows],
+        """The rows' sampling arrays. A steady decode batch (the same requests in the same
+        order, with neither per-step biases, penalties, masks nor drafts) reuses the last
+        step's and builds only the draw counters."""
+        key = [r_pad, *(r.params for r in rows), *(r.seed for r in rows)]
+        plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
+        last = self._last_sampling
+        if plain and last is not None and last[0] == key:
+            steps = np.zeros(r_pad, np.int32)
+            steps[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
+            return replace(last[1], steps=steps)
+        params = [r.params for r in rows]
+        meta = build_sampling_metadata(
+            params,
             [r.token_ids for r in rows],
             [r.num_prompt_tokens for r in rows],
             [r.seed for r in rows],
@@ -690,6 +703,10 @@ class ModelRunner:
             token_mask=token_mask,
             draft_token_ids=draft_ids,
         )
+        # Penalties read the histories, which change every step: those are always built.
+        reusable = plain and not needs_penalties(params)
+        self._last_sampling = (key, meta) if reusable else None
+        return meta
 
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come

@@ -7,6 +7,7 @@ W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with
 
     python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
         [--max-num-batched-tokens 512] [--max-num-seqs 128] [--block-size N]
+        [--num-scheduler-steps K]
         [--peer] [--peer-batches 1,8,32] [--peer-requests N] [--model PATH]
         [--smoke (2 requests x 4 tokens on a tiny random Llama, few step shapes, the peer too)]
 
@@ -94,6 +95,9 @@ def parse_args() -> argparse.Namespace:
         "--max-num-seqs", type=int, default=128, help="running requests at once (engine default)"
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="decode steps per dispatch"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--peer", action="store_true", help="also run transformers generate")
@@ -140,6 +144,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         num_kv_blocks=max(kv_blocks(count, longest, bs), kv_blocks(1, max_model_len, bs)),
         block_size=bs,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     if w1:
         prompts = make_prompts(llm.get_tokenizer(), count)
@@ -167,6 +172,7 @@ def main() -> None:
     prompt_tokens = sum(len(p) for p in prompts)
     result = {
         "workload": label,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "prompt_tokens": prompt_tokens,
         "output_tokens": generated,
         "seconds": elapsed,

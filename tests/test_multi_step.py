@@ -119,3 +119,13 @@ def test_config_refuses_what_cannot_run(tmp_path):
             num_scheduler_steps=4,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+def test_warmup_compiles_the_loops_a_greedy_workload_takes(tiny):
+    engine = make_engine(tiny, num_scheduler_steps=STEPS, max_num_seqs=4)
+    runner = engine.engine_core.worker.runner
+    runner.warmup()
+    compiled = runner.num_compilations
+    run(engine, make_prompts(4, seed=26), SamplingParams(max_tokens=16, **GREEDY))
+    check_multi_step(engine)
+    assert runner.num_compilations == compiled

@@ -59,6 +59,9 @@ class EngineRequest(Request):
     ):
         super().__init__(request_id, prompt_token_ids)
         self.params = params
+        # Read for every running request every step: taken once (params are not changed
+        # once the request is added).
+        self.needs_output_on_host = params.needs_output_on_host
         self.max_tokens = max_tokens
         self.seed = seed
         self.priority = priority

@@ -59,12 +59,15 @@ def _sequence_slots(request: EngineRequest) -> int:
     return 1
 
 
+_NO_BIAS: dict[int, float] = {}  # shared by the rows without one: never changed
+
+
 def _min_tokens_bias(request: EngineRequest, num_output_tokens: int) -> dict[int, float]:
-    """The bias of a sample after `num_output_tokens` outputs: stop tokens and EOS are -inf
-    until min_tokens are out."""
+    """The bias of a sample after `num_output_tokens` outputs (not to be changed): stop
+    tokens and EOS are -inf until min_tokens are out."""
     if num_output_tokens < request.params.min_tokens:
         return dict.fromkeys(request.min_tokens_banned, float("-inf"))
-    return {}
+    return _NO_BIAS
 
 
 DEFAULT_POLICY = PriorityPolicy()
@@ -158,18 +161,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, request: EngineRequest, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
-        if self.long_prefill_token_threshold and num_new > 1:
-            num_new = min(num_new, self.long_prefill_token_threshold)
-        return min(num_new, budget)
-
     def _must_wait(self, request: EngineRequest) -> bool:
         """Whether a request whose last token is still being sampled (the step in flight) waits
         for it instead of computing it now: penalties need the token's value on the host, and
         a request that reaches its length limit with it will not sample again."""
         return (
-            request.params.needs_output_on_host
+            request.needs_output_on_host
             or request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.max_model_len
         )
@@ -212,7 +209,7 @@ class Scheduler:
             self._speculating
             and request.constraints is None
             and not request.hold_samples
-            and not request.params.needs_output_on_host
+            and not request.needs_output_on_host
         )
 
     def _propose(self, request: EngineRequest, budget: int) -> list[int]:
@@ -313,18 +310,25 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in policy order (arrival order among equals: sort is
         stable); returns the budget left."""
-        self.running.sort(key=self.policy.sort_key)
+        running = self.running
+        running.sort(key=self.policy.sort_key)
+        threshold, speculating = self.long_prefill_token_threshold, self._speculating
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._chunk(request, budget)
-            speculates = self._speculates(request)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            tokens = request.all_token_ids
+            num_new = len(tokens) - request.num_computed_tokens  # a chunk, or one decode token
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            speculates = speculating and self._speculates(request)
             if (
                 num_new <= 0
                 or request.held
                 or request.num_drafts_in_flight
                 or (
-                    is_placeholder(request.all_token_ids[-1])
+                    is_placeholder(tokens[-1])
                     and ((speculates and not self._drafts_on_device) or self._must_wait(request))
                 )
             ):
@@ -441,7 +445,7 @@ class Scheduler:
             bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
             constraints = sampler.constraints
             if constraints is not None:
-                bias.update(constraints.banned(sampler.output_token_ids))
+                bias = {**bias, **constraints.banned(sampler.output_token_ids)}
             out.rows.append(
                 SampleRow(
                     index,

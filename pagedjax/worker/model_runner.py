@@ -592,19 +592,35 @@ class ModelRunner:
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         params = [r.params for r in rows]
+        tokens_out, finite = self._decode_steps(
+            (tokens, sources, self._previous(previous), positions, metadata, copies, limits),
+            self._sampling_metadata(rows, r_pad),
+            num_steps,
+            use_truncation=needs_truncation(params),
+            all_greedy=all(p.greedy for p in params),
+        )
+        return StepHandle(tokens_out, finite, None, None, len(rows), 0)
+
+    def _decode_steps(
+        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        """`decode_steps` on the pool: inputs are (tokens, sources, previous, positions,
+        metadata, copies, limits); returns ([num_steps, R] tokens, finite)."""
+        tokens, sources, previous, positions, metadata, copies, limits = inputs
+        num_rows = meta.temperature.shape[0]
         tokens_out, finite, self.kv_cache = self._compiled(
             decode_steps,
             self.params,
             tokens,
             sources,
-            self._previous(previous),
+            previous,
             positions,
             self.kv_cache,
             metadata,
-            np.arange(r_pad, dtype=np.int32),
+            np.arange(num_rows, dtype=np.int32),
             copies,
             limits,
-            self._sampling_metadata(rows, r_pad),
+            meta,
             config=self.model_config,
             attention_fn=self.attention,
             decode_only=True if self.has_decode_kernel else None,
@@ -612,10 +628,29 @@ class ModelRunner:
             num_steps=num_steps,
             block_size=self.block_size,
             kernels=self.sampling,
-            use_truncation=needs_truncation(params),
-            all_greedy=all(p.greedy for p in params),
+            **flags,
         )
-        return StepHandle(tokens_out, finite, None, None, len(rows), 0)
+        return tokens_out, finite
+
+    def _warm_decode_steps(self, t_pad: int, width: int) -> None:
+        """Compiles the loop of several decode steps (greedy) at each step count a step can
+        take (powers of two below num_scheduler_steps, and it), if a step of bucket t_pad can
+        hold only decodes."""
+        most = self.num_scheduler_steps
+        fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
+        if most == 1 or fewest > self.max_num_seqs:
+            return
+        _, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
+            t_pad, width
+        )
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        meta = build_sampling_metadata(
+            [SamplingParams(temperature=0.0)], [[]], [0], [0], num_rows=s_pad
+        )
+        inputs = (tokens, sources, previous, positions, metadata, copies, np.zeros(t_pad, np.int32))
+        counts = [1 << i for i in range(1, most.bit_length()) if 1 << i < most] + [most]
+        for num_steps in counts:
+            self._decode_steps(inputs, meta, num_steps, use_truncation=False, all_greedy=True)
 
     def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):
         """The step's swaps, out first: a block swapped in may be one a victim just left."""
@@ -809,7 +844,8 @@ class ModelRunner:
 
     def warmup(self, probe: bool = False) -> float:
         """Compiles the forward for every token and width bucket (and decode_only variant a
-        step of the bucket can take), and the greedy sampler for every row bucket; returns the
+        step of the bucket can take, and the loops of several decode steps), and the greedy
+        sampler for every row bucket; returns the
         seconds spent. `probe`: only the smallest and the largest token bucket at the smallest
         width, so that an attention backend that cannot compile or run fails at start-up."""
         start = time.perf_counter()
@@ -828,6 +864,8 @@ class ModelRunner:
                         self._draft_fill(*fill, decode_only)
                 if self.draft is not None and t_pad == token_buckets[-1]:
                     self._warm_chains(width)
+                if not probe:
+                    self._warm_decode_steps(t_pad, width)
             greedy = SamplingParams(temperature=0.0)
             meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
             sample(

@@ -12,12 +12,25 @@ from tests.test_engine import GREEDY, hf_greedy, make_engine, make_prompts, run,
 
 STEPS = 4
 # Rows that run several steps (greedy, seeded draws with truncation, stop tokens, n > 1 once
-# forked) beside rows that need the host between tokens (penalties, min_tokens, logprobs).
+# forked, logprobs, min_tokens up to where it ends) beside rows that need the host between
+# tokens (penalties).
 PARAMS = [
     *MIXED,
     SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=7),
     SamplingParams(max_tokens=13, temperature=0.0, stop_token_ids=[5, 9, 17, 33]),
 ]
+
+
+def assert_same_logprobs(got, want) -> None:
+    for got_output, want_output in zip(got, want, strict=True):
+        for g, w in zip(got_output.outputs, want_output.outputs, strict=True):
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for got_entry, want_entry in zip(g.logprobs or [], w.logprobs or [], strict=True):
+                assert got_entry.keys() == want_entry.keys()
+                for token, logprob in got_entry.items():
+                    assert logprob.logprob == pytest.approx(want_entry[token].logprob, abs=1e-4)
+                    assert logprob.rank == want_entry[token].rank
+                    assert logprob.decoded_token == want_entry[token].decoded_token
 
 
 def check_multi_step(engine) -> None:
@@ -47,7 +60,9 @@ def test_tokens_equal_single_steps(tiny, options, async_scheduling):
     engine = make_engine(
         tiny, async_scheduling=async_scheduling, num_scheduler_steps=STEPS, **options
     )
-    assert all_tokens(run(engine, prompts, params)) == all_tokens(single)
+    got = run(engine, prompts, params)
+    assert all_tokens(got) == all_tokens(single)
+    assert_same_logprobs(got, single)
     check_multi_step(engine)
     if "num_kv_blocks" in options:
         assert engine.engine_core.scheduler.num_preemptions > 0
@@ -129,3 +144,32 @@ def test_warmup_compiles_the_loops_a_greedy_workload_takes(tiny):
     run(engine, make_prompts(4, seed=26), SamplingParams(max_tokens=16, **GREEDY))
     check_multi_step(engine)
     assert runner.num_compilations == compiled
+
+
+def test_logprobs_and_min_tokens_run_inside_the_loop(tiny):
+    """Rows asking for logprobs take several steps (the loop returns each step's); a row
+    whose min_tokens is not reached yet takes steps up to it, its stop tokens masked."""
+    prompts = make_prompts(4, seed=27)
+    stops = [5, 9, 17, 33, 40, 51, 64, 77, 90, 101, 115]
+    params = [
+        SamplingParams(max_tokens=16, logprobs=3, **GREEDY),
+        SamplingParams(max_tokens=16, logprobs=0, temperature=0.9, seed=4),
+        SamplingParams(max_tokens=16, min_tokens=9, stop_token_ids=stops, temperature=0.0),
+        SamplingParams(max_tokens=16, min_tokens=3, stop_token_ids=stops, temperature=1.0, seed=6),
+    ]
+    single = run(make_engine(tiny), prompts, params)
+    engine = make_engine(tiny, num_scheduler_steps=8)
+    got = run(engine, prompts, params)
+    assert all_tokens(got) == all_tokens(single)
+    assert_same_logprobs(got, single)
+    for g, w in zip(got, single, strict=True):
+        assert (
+            g.outputs[0].cumulative_logprob
+            == pytest.approx(w.outputs[0].cumulative_logprob, abs=1e-3)
+            if w.outputs[0].cumulative_logprob is not None
+            else True
+        )
+    assert len(got[2].outputs[0].token_ids) >= 9
+    core = engine.engine_core
+    assert core.num_model_steps >= 2 * core.num_steps  # mostly steps of several
+    assert core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -260,21 +260,23 @@ class Scheduler:
 
     def _steps_left(self, request: EngineRequest, num_new: int) -> int:
         """How many decode steps in a row the request may take without the host (0: none, it
-        needs the host between tokens or is not decoding)."""
-        params = request.params
+        needs the host between tokens or is not decoding): up to its length limit, and while
+        min_tokens masks its stop tokens, up to min_tokens (the mask is the step's)."""
         num_output = request.num_output_tokens
         if (
             num_new != 1
             or request.num_computed_tokens + 1 != request.num_tokens
             or num_output == 0  # its first sample (forks, prompt logprobs)
-            or num_output < params.min_tokens  # stop tokens are masked per token
             or request.constraints is not None
             or request.hold_samples
-            or params.logprobs is not None
-            or params.needs_output_on_host
+            or request.needs_output_on_host
         ):
             return 0
-        return min(request.max_tokens - num_output, self.max_model_len - request.num_tokens)
+        left = min(request.max_tokens - num_output, self.max_model_len - request.num_tokens)
+        min_tokens = request.params.min_tokens
+        if num_output < min_tokens:  # its stop tokens are masked: only while that holds
+            left = min(left, min_tokens - num_output)
+        return left
 
     def _plan_steps(self, out: SchedulerOutput) -> None:
         """Makes the step several decode steps when every scheduled request decodes and none
@@ -537,7 +539,8 @@ class Scheduler:
         if out.row_steps:
             for row, (request, steps) in enumerate(zip(rows, out.row_steps, strict=True)):
                 if not request.status.finished:
-                    outputs.append(self._append_tokens(request, row, positions[row], steps, result))
+                    at = (row, positions[row], steps, out.num_steps)
+                    outputs.append(self._append_tokens(request, *at, result))
             return outputs
         while row < len(rows):
             request = rows[row]
@@ -633,10 +636,12 @@ class Scheduler:
         row: int,
         position: int,
         steps: int,
+        num_steps: int,
         result: ModelRunnerOutput,
     ) -> EngineCoreOutput:
-        """A row's tokens from a step of several decode steps, in place of its placeholders,
-        up to the first that ends the request (the loop ran on past it: those are dropped)."""
+        """A row's tokens from a step of several decode steps (`steps` of the step's
+        `num_steps`), in place of its placeholders, up to the first that ends the request (the
+        loop ran on past it: those are dropped); their logprobs from row * num_steps on."""
         row_finite = result.finite[row, :steps]
         count = steps if row_finite.all() else int(row_finite.argmin())  # up to a NaN row
         tokens = result.token_ids[row, :count].tolist()
@@ -657,7 +662,7 @@ class Scheduler:
         if status is not None:
             del all_tokens[position + len(tokens) :]
             self.finish(request, status)
-        return self._output(request, tokens, result, row, status)
+        return self._output(request, tokens, result, row * num_steps, status)
 
     def _check_stop(
         self, request: EngineRequest, token: int, num_tokens: int

@@ -18,7 +18,7 @@ from kernels_pallas.kv_cache import PAD_SLOT, copy_blocks
 from kernels_pallas.metadata import AttentionMetadata
 from models.llama import forward_logits
 from models.tensor_parallel import TensorParallel
-from pagedjax.sampler import SamplingKernels, SamplingMetadata, sample
+from pagedjax.sampler import SamplingKernels, SamplingMetadata, TokenLogprobs, sample
 
 
 def model_step(
@@ -94,6 +94,7 @@ def forward_step(
         "kernels",
         "use_truncation",
         "all_greedy",
+        "num_logprobs",
     ),
     donate_argnames=("kv_cache",),
 )
@@ -119,10 +120,12 @@ def decode_steps(
     kernels: SamplingKernels,
     use_truncation: bool,
     all_greedy: bool,
+    num_logprobs: int | None = None,
 ):
     """num_steps decode steps: each runs the forward on every sequence's newest token, writes
     its KV into the sequence's reserved slots and samples the next token on the device.
-    Returns (tokens [num_steps, R], finite [num_steps, R], kv_cache).
+    Returns (tokens [num_steps, R], finite [num_steps, R], TokenLogprobs of [num_steps, R]
+    (None unless num_logprobs is given, as `sample`'s), kv_cache).
 
     A sequence past its limit repeats its last step (reading only its own context) and
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
@@ -138,7 +141,7 @@ def decode_steps(
     no_copies = jnp.zeros((0, 2), jnp.int32)
 
     def step(i, carry):
-        token_ids, kv_cache, out_tokens, out_finite = carry
+        token_ids, kv_cache, out_tokens, out_finite, out_logprobs = carry
         offset = jnp.minimum(i, jnp.maximum(limits - 1, 0))  # [T]: stays at the last step
         pos = positions + offset
         block = jnp.take_along_axis(tables, jnp.minimum(pos // block_size, width - 1)[:, None], 1)
@@ -157,21 +160,34 @@ def decode_steps(
             use_penalties=False,
             use_truncation=use_truncation,
             all_greedy=all_greedy,
+            num_logprobs=num_logprobs,
         )
         count = min(num_tokens, num_rows)
         next_tokens = jnp.zeros(num_tokens, jnp.int32).at[:count].set(out.token_ids[:count])
         out_tokens = out_tokens.at[i].set(out.token_ids)
         out_finite = out_finite.at[i].set(out.finite)
-        return next_tokens, kv_cache, out_tokens, out_finite
+        if num_logprobs is not None:
+            out_logprobs = jax.tree.map(lambda a, x: a.at[i].set(x), out_logprobs, out.logprobs)
+        return next_tokens, kv_cache, out_tokens, out_finite, out_logprobs
 
+    logprobs = None
+    if num_logprobs is not None:
+        each, top = (num_steps, num_rows), (num_steps, num_rows, num_logprobs)
+        logprobs = TokenLogprobs(
+            jnp.zeros(each, jnp.float32),
+            jnp.zeros(each, jnp.int32),
+            jnp.zeros(top, jnp.int32),
+            jnp.zeros(top, jnp.float32),
+        )
     init = (
         token_ids,
         kv_cache,
         jnp.zeros((num_steps, num_rows), jnp.int32),
         jnp.zeros((num_steps, num_rows), bool),
+        logprobs,
     )
-    _, kv_cache, tokens, finite = jax.lax.fori_loop(0, num_steps, step, init)
-    return tokens, finite, kv_cache
+    _, kv_cache, tokens, finite, logprobs = jax.lax.fori_loop(0, num_steps, step, init)
+    return tokens, finite, logprobs, kv_cache
 
 
 @partial(jax.jit, static_argnames=("stride", "size"))

@@ -148,7 +148,7 @@ class StepHandle:
             return ModelRunnerOutput(*empty, None, _fetch(self.prompt_logprobs, self.num_targets))
         if self.token_ids.ndim == 2:  # [steps, rows] of several decode steps: [rows, steps]
             tokens, finite = np.asarray(self.token_ids)[:, :n].T, np.asarray(self.finite)[:, :n].T
-            return ModelRunnerOutput(tokens, finite)
+            return ModelRunnerOutput(tokens, finite, _fetch_steps(self.logprobs, n))
         return ModelRunnerOutput(
             np.asarray(self.token_ids)[:n],
             np.asarray(self.finite)[:n],
@@ -161,6 +161,19 @@ class StepHandle:
 def _fetch(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
     """The first n rows, on the host."""
     return None if logprobs is None else jax.tree.map(lambda a: np.asarray(a)[:n], logprobs)
+
+
+def _fetch_steps(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None:
+    """[steps, rows, ...] logprobs of several decode steps on the host, row-major: row r's
+    step i at r * steps + i."""
+    if logprobs is None:
+        return None
+
+    def rows_first(a: jax.Array) -> np.ndarray:
+        a = np.swapaxes(np.asarray(a)[:, :n], 0, 1)
+        return a.reshape(-1, *a.shape[2:])
+
+    return jax.tree.map(rows_first, logprobs)
 
 
 def _logits_rows(
@@ -592,23 +605,32 @@ class ModelRunner:
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         params = [r.params for r in rows]
-        tokens_out, finite = self._decode_steps(
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        tokens_out, finite, logprobs = self._decode_steps(
             (tokens, sources, self._previous(previous), positions, metadata, copies, limits),
             self._sampling_metadata(rows, r_pad),
             num_steps,
             use_truncation=needs_truncation(params),
             all_greedy=all(p.greedy for p in params),
+            num_logprobs=max(wanted) if wanted else None,
         )
-        return StepHandle(tokens_out, finite, None, None, len(rows), 0)
+        return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0)
 
     def _decode_steps(
-        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool
-    ) -> tuple[jax.Array, jax.Array]:
+        self,
+        inputs: tuple,
+        meta: SamplingMetadata,
+        num_steps: int,
+        *,
+        use_truncation: bool,
+        all_greedy: bool,
+        num_logprobs: int | None,
+    ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
         """`decode_steps` on the pool: inputs are (tokens, sources, previous, positions,
-        metadata, copies, limits); returns ([num_steps, R] tokens, finite)."""
+        metadata, copies, limits); returns ([num_steps, R] tokens, finite, logprobs)."""
         tokens, sources, previous, positions, metadata, copies, limits = inputs
         num_rows = meta.temperature.shape[0]
-        tokens_out, finite, self.kv_cache = self._compiled(
+        tokens_out, finite, logprobs, self.kv_cache = self._compiled(
             decode_steps,
             self.params,
             tokens,
@@ -628,9 +650,11 @@ class ModelRunner:
             num_steps=num_steps,
             block_size=self.block_size,
             kernels=self.sampling,
-            **flags,
+            use_truncation=use_truncation,
+            all_greedy=all_greedy,
+            num_logprobs=num_logprobs,
         )
-        return tokens_out, finite
+        return tokens_out, finite, logprobs
 
     def _warm_decode_steps(self, t_pad: int, width: int) -> None:
         """Compiles the loop of several decode steps (greedy) at each step count a step can
@@ -650,7 +674,8 @@ class ModelRunner:
         inputs = (tokens, sources, previous, positions, metadata, copies, np.zeros(t_pad, np.int32))
         counts = [1 << i for i in range(1, most.bit_length()) if 1 << i < most] + [most]
         for num_steps in counts:
-            self._decode_steps(inputs, meta, num_steps, use_truncation=False, all_greedy=True)
+            greedy = dict(use_truncation=False, all_greedy=True, num_logprobs=None)
+            self._decode_steps(inputs, meta, num_steps, **greedy)
 
     def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):
         """The step's swaps, out first: a block swapped in may be one a victim just left."""

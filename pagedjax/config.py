@@ -74,10 +74,11 @@ class EngineConfig:
     async_scheduling: bool = True
     # Decode steps per dispatch (vLLM V0's name): a step whose every sequence decodes runs up
     # to this many forward+sample iterations in one jitted loop, its slots reserved ahead, so
-    # the host's cost is paid once per loop (logprobs come back for every step; a row short of
-    # min_tokens runs up to it). Rows that need the host between tokens (penalties, bad words,
-    # logits processors, structured outputs, beams) make the step a single one. Greedy output
-    # is unchanged; seeded draws too (each row's key follows its token count).
+    # the host's cost is paid once per loop (logprobs come back for every step, penalties keep
+    # their history on the device, a row short of min_tokens runs up to it, a row whose token
+    # mask follows each token, a grammar's or bad words', takes one step of the loop). Logits
+    # processors and beams make the step a single one. Greedy output is unchanged; seeded
+    # draws too (each row's key follows its token count).
     num_scheduler_steps: int = 1
     # Speculative decoding, as vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4}; {"model": draft, "num_speculative_tokens": 4}) or a

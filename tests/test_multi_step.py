@@ -12,12 +12,14 @@ from tests.test_engine import GREEDY, hf_greedy, make_engine, make_prompts, run,
 
 STEPS = 4
 # Rows that run several steps (greedy, seeded draws with truncation, stop tokens, n > 1 once
-# forked, logprobs, min_tokens up to where it ends) beside rows that need the host between
-# tokens (penalties).
+# forked, logprobs, min_tokens up to where it ends, penalties) beside rows that need the host
+# between tokens (bad words).
 PARAMS = [
     *MIXED,
     SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=7),
     SamplingParams(max_tokens=13, temperature=0.0, stop_token_ids=[5, 9, 17, 33]),
+    SamplingParams(max_tokens=12, temperature=0.8, frequency_penalty=0.7, seed=8),
+    SamplingParams(max_tokens=11, temperature=0.0, bad_words=["w5 w6", "w40"]),
 ]
 
 
@@ -146,16 +148,19 @@ def test_warmup_compiles_the_loops_a_greedy_workload_takes(tiny):
     assert runner.num_compilations == compiled
 
 
-def test_logprobs_and_min_tokens_run_inside_the_loop(tiny):
+def test_logprobs_min_tokens_and_penalties_run_inside_the_loop(tiny):
     """Rows asking for logprobs take several steps (the loop returns each step's); a row
-    whose min_tokens is not reached yet takes steps up to it, its stop tokens masked."""
-    prompts = make_prompts(4, seed=27)
+    whose min_tokens is not reached yet takes steps up to it, its stop tokens masked; a row
+    with penalties keeps its output history on the device."""
+    prompts = make_prompts(6, seed=27)
     stops = [5, 9, 17, 33, 40, 51, 64, 77, 90, 101, 115]
     params = [
         SamplingParams(max_tokens=16, logprobs=3, **GREEDY),
         SamplingParams(max_tokens=16, logprobs=0, temperature=0.9, seed=4),
         SamplingParams(max_tokens=16, min_tokens=9, stop_token_ids=stops, temperature=0.0),
         SamplingParams(max_tokens=16, min_tokens=3, stop_token_ids=stops, temperature=1.0, seed=6),
+        SamplingParams(max_tokens=16, repetition_penalty=1.5, presence_penalty=0.3, **GREEDY),
+        SamplingParams(max_tokens=16, frequency_penalty=1.0, temperature=0.9, seed=11),
     ]
     single = run(make_engine(tiny), prompts, params)
     engine = make_engine(tiny, num_scheduler_steps=8)
@@ -173,3 +178,30 @@ def test_logprobs_and_min_tokens_run_inside_the_loop(tiny):
     core = engine.engine_core
     assert core.num_model_steps >= 2 * core.num_steps  # mostly steps of several
     assert core.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_rows_with_token_masks_take_one_step_of_the_loop_and_processors_a_single_step(tiny):
+    """allowed_token_ids and bad words change the mask with each token: such a row takes the
+    loop's first step only while the others run on; a logits processor (Python on the host)
+    makes the step a single one. Every token equals single steps."""
+    prompts = make_prompts(4, seed=28)
+    masked = [
+        SamplingParams(max_tokens=12, **GREEDY),
+        SamplingParams(max_tokens=12, allowed_token_ids=list(range(3, 60)), **GREEDY),
+        SamplingParams(max_tokens=12, bad_words=["w5 w6", "w40"], temperature=0.8, seed=3),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=5),
+    ]
+    single = run(make_engine(tiny), prompts, masked)
+    engine = make_engine(tiny, num_scheduler_steps=STEPS)
+    assert all_tokens(run(engine, prompts, masked)) == all_tokens(single)
+    check_multi_step(engine)
+
+    def no_w7(output_ids, logits):
+        logits[7] = float("-inf")
+        return logits
+
+    processed = [*masked[:3], SamplingParams(max_tokens=12, logits_processors=[no_w7], **GREEDY)]
+    single = run(make_engine(tiny), prompts, processed)
+    engine = make_engine(tiny, num_scheduler_steps=STEPS)
+    assert all_tokens(run(engine, prompts, processed)) == all_tokens(single)
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -259,19 +259,23 @@ class Scheduler:
         return out
 
     def _steps_left(self, request: EngineRequest, num_new: int) -> int:
-        """How many decode steps in a row the request may take without the host (0: none, it
-        needs the host between tokens or is not decoding): up to its length limit, and while
-        min_tokens masks its stop tokens, up to min_tokens (the mask is the step's)."""
+        """How many decode steps in a row the request may take without the host: up to its
+        length limit, and while min_tokens masks its stop tokens, up to min_tokens (the mask is
+        the step's); one for a row whose token mask changes with each token; 0 when the whole
+        step must be a single one (not decoding, a first sample, beams, logits processors).
+        Penalties need no host: the loop keeps the output history on the device."""
         num_output = request.num_output_tokens
+        constraints = request.constraints
         if (
             num_new != 1
             or request.num_computed_tokens + 1 != request.num_tokens
             or num_output == 0  # its first sample (forks, prompt logprobs)
-            or request.constraints is not None
             or request.hold_samples
-            or request.needs_output_on_host
+            or (constraints is not None and constraints.processors)  # Python on the logits
         ):
             return 0
+        if constraints is not None:
+            return 1  # its mask (a grammar's, bad words') follows each token: the first step
         left = min(request.max_tokens - num_output, self.max_model_len - request.num_tokens)
         min_tokens = request.params.min_tokens
         if num_output < min_tokens:  # its stop tokens are masked: only while that holds
@@ -288,7 +292,7 @@ class Scheduler:
         left = [self._steps_left(request, num_new) for request, num_new in out.scheduled]
         longest = max(left)
         if min(left) == 0 or longest < 2:
-            return
+            return  # a single step serves them all as well
         num_steps = min(self.num_scheduler_steps, 1 << (longest - 1).bit_length())
         row_steps = [min(num_steps, n) for n in left]
         for index, ((request, _), steps) in enumerate(zip(out.scheduled, row_steps, strict=True)):
@@ -651,6 +655,8 @@ class Scheduler:
             # A row's steps end at its length limit: only its last token can reach it.
             if i == steps - 1 or token in stop_ids:
                 status = self._check_stop(request, token, position + i + 1)
+                if request.constraints is not None and request.constraints.accept(token):
+                    status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
                 if status is not None:
                     del tokens[i + 1 :]
                     break

@@ -95,6 +95,7 @@ def forward_step(
         "use_truncation",
         "all_greedy",
         "num_logprobs",
+        "use_penalties",
     ),
     donate_argnames=("kv_cache",),
 )
@@ -121,6 +122,7 @@ def decode_steps(
     use_truncation: bool,
     all_greedy: bool,
     num_logprobs: int | None = None,
+    use_penalties: bool = False,
 ):
     """num_steps decode steps: each runs the forward on every sequence's newest token, writes
     its KV into the sequence's reserved slots and samples the next token on the device.
@@ -129,7 +131,8 @@ def decode_steps(
 
     A sequence past its limit repeats its last step (reading only its own context) and
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
-    Every draw is the one a single step would make (its key counts the row's tokens)."""
+    Every draw is the one a single step would make (its key counts the row's tokens); with
+    penalties, each step's token joins the row's output history on the device."""
     token_ids = _with_previous(token_ids, sources, previous)
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
@@ -141,7 +144,7 @@ def decode_steps(
     no_copies = jnp.zeros((0, 2), jnp.int32)
 
     def step(i, carry):
-        token_ids, kv_cache, out_tokens, out_finite, out_logprobs = carry
+        token_ids, kv_cache, out_tokens, out_finite, out_logprobs, history = carry
         offset = jnp.minimum(i, jnp.maximum(limits - 1, 0))  # [T]: stays at the last step
         pos = positions + offset
         block = jnp.take_along_axis(tables, jnp.minimum(pos // block_size, width - 1)[:, None], 1)
@@ -152,12 +155,12 @@ def decode_steps(
         inputs = (token_ids, pos, step_metadata, rows, no_copies)
         run = (config, attention_fn, decode_only, tp)
         logits, kv_cache = _run_model(params, kv_cache, inputs, *run)
-        step_meta = dataclasses.replace(meta, steps=meta.steps + i)
+        step_meta = dataclasses.replace(meta, steps=meta.steps + i, output_token_ids=history)
         out = sample(
             logits,
             step_meta,
             kernels,
-            use_penalties=False,
+            use_penalties=use_penalties,
             use_truncation=use_truncation,
             all_greedy=all_greedy,
             num_logprobs=num_logprobs,
@@ -168,7 +171,10 @@ def decode_steps(
         out_finite = out_finite.at[i].set(out.finite)
         if num_logprobs is not None:
             out_logprobs = jax.tree.map(lambda a, x: a.at[i].set(x), out_logprobs, out.logprobs)
-        return next_tokens, kv_cache, out_tokens, out_finite, out_logprobs
+        if use_penalties:  # the token is the row's output number steps + i
+            where = (jnp.arange(num_rows), step_meta.steps)
+            history = history.at[where].set(out.token_ids, mode="drop")
+        return next_tokens, kv_cache, out_tokens, out_finite, out_logprobs, history
 
     logprobs = None
     if num_logprobs is not None:
@@ -185,8 +191,9 @@ def decode_steps(
         jnp.zeros((num_steps, num_rows), jnp.int32),
         jnp.zeros((num_steps, num_rows), bool),
         logprobs,
+        meta.output_token_ids,
     )
-    _, kv_cache, tokens, finite, logprobs = jax.lax.fori_loop(0, num_steps, step, init)
+    _, kv_cache, tokens, finite, logprobs, _ = jax.lax.fori_loop(0, num_steps, step, init)
     return tokens, finite, logprobs, kv_cache
 
 

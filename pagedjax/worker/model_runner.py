@@ -606,13 +606,16 @@ class ModelRunner:
         limits[: len(row_steps)] = row_steps
         params = [r.params for r in rows]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        # A row with a token mask takes one step: its mask is that step's.
+        token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
         tokens_out, finite, logprobs = self._decode_steps(
             (tokens, sources, self._previous(previous), positions, metadata, copies, limits),
-            self._sampling_metadata(rows, r_pad),
+            self._sampling_metadata(rows, r_pad, token_mask),
             num_steps,
             use_truncation=needs_truncation(params),
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max(wanted) if wanted else None,
+            use_penalties=needs_penalties(params),
         )
         return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0)
 
@@ -625,6 +628,7 @@ class ModelRunner:
         use_truncation: bool,
         all_greedy: bool,
         num_logprobs: int | None,
+        use_penalties: bool,
     ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
         """`decode_steps` on the pool: inputs are (tokens, sources, previous, positions,
         metadata, copies, limits); returns ([num_steps, R] tokens, finite, logprobs)."""
@@ -653,6 +657,7 @@ class ModelRunner:
             use_truncation=use_truncation,
             all_greedy=all_greedy,
             num_logprobs=num_logprobs,
+            use_penalties=use_penalties,
         )
         return tokens_out, finite, logprobs
 
@@ -675,6 +680,7 @@ class ModelRunner:
         counts = [1 << i for i in range(1, most.bit_length()) if 1 << i < most] + [most]
         for num_steps in counts:
             greedy = dict(use_truncation=False, all_greedy=True, num_logprobs=None)
+            greedy.update(use_penalties=False)
             self._decode_steps(inputs, meta, num_steps, **greedy)
 
     def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):

@@ -153,7 +153,7 @@ def host_only(args) -> None:
         def __call__(self, *arrays, num_steps: int, **options):
             rows = arrays[7].shape[0]  # the logits rows
             tokens = rng.choice(words, (num_steps, rows)).astype(np.int32)
-            return tokens, np.ones((num_steps, rows), bool), arrays[5]  # the pool
+            return tokens, np.ones((num_steps, rows), bool), None, arrays[5]  # the pool
 
         def _cache_size(self) -> int:
             return 0

@@ -3,6 +3,9 @@ equal single steps, whatever the scheduling, memory pressure, stops and aborts a
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagedjax.config import EngineConfig
@@ -205,3 +208,19 @@ def test_rows_with_token_masks_take_one_step_of_the_loop_and_processors_a_single
     engine = make_engine(tiny, num_scheduler_steps=STEPS)
     assert all_tokens(run(engine, prompts, processed)) == all_tokens(single)
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_the_loop_lowers_for_cuda_with_the_pallas_decode_kernel_inside(tiny, monkeypatch):
+    """Several decode steps lowered for a GPU (not here): one compiled Triton kernel (the
+    decode one: a static flag, no run-time choice between kernels), inside the loop."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from triton_compile import cuda_target, triton_call_targets
+
+    engine = make_engine(tiny, num_scheduler_steps=STEPS, attention_backend="pallas")
+    runner = engine.engine_core.worker.runner
+    monkeypatch.setenv("PAGEDJAX_PALLAS_INTERPRET", "0")  # the kernels compiled, not interpreted
+    with cuda_target(90):
+        lowered = runner.lower_decode_steps(4, STEPS, lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert len(triton_call_targets(lowered)) == 1
+    assert "stablehlo.while" in text

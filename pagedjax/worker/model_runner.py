@@ -620,33 +620,25 @@ class ModelRunner:
         return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0)
 
     def _decode_steps(
-        self,
-        inputs: tuple,
-        meta: SamplingMetadata,
-        num_steps: int,
-        *,
-        use_truncation: bool,
-        all_greedy: bool,
-        num_logprobs: int | None,
-        use_penalties: bool,
+        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool | int | None
     ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
         """`decode_steps` on the pool: inputs are (tokens, sources, previous, positions,
-        metadata, copies, limits); returns ([num_steps, R] tokens, finite, logprobs)."""
+        metadata, copies, limits); flags are its use_truncation, all_greedy, num_logprobs and
+        use_penalties. Returns ([num_steps, R] tokens, finite, logprobs)."""
+        args, options = self._decode_steps_call(inputs, meta, num_steps, flags)
+        tokens_out, finite, logprobs, self.kv_cache = self._compiled(decode_steps, *args, **options)
+        return tokens_out, finite, logprobs
+
+    def _decode_steps_call(
+        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, flags: dict
+    ) -> tuple[tuple, dict]:
+        """`decode_steps`' arguments and options (every flag passed, always the same way: a
+        keyword left to its default would be another compilation)."""
         tokens, sources, previous, positions, metadata, copies, limits = inputs
-        num_rows = meta.temperature.shape[0]
-        tokens_out, finite, logprobs, self.kv_cache = self._compiled(
-            decode_steps,
-            self.params,
-            tokens,
-            sources,
-            previous,
-            positions,
-            self.kv_cache,
-            metadata,
-            np.arange(num_rows, dtype=np.int32),
-            copies,
-            limits,
-            meta,
+        rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
+        args = (self.params, tokens, sources, previous, positions, self.kv_cache, metadata)
+        args += (rows, copies, limits, meta)
+        options = dict(
             config=self.model_config,
             attention_fn=self.attention,
             decode_only=True if self.has_decode_kernel else None,
@@ -654,12 +646,26 @@ class ModelRunner:
             num_steps=num_steps,
             block_size=self.block_size,
             kernels=self.sampling,
-            use_truncation=use_truncation,
-            all_greedy=all_greedy,
-            num_logprobs=num_logprobs,
-            use_penalties=use_penalties,
         )
-        return tokens_out, finite, logprobs
+        names = ("use_truncation", "all_greedy", "num_logprobs", "use_penalties")
+        return args, options | {name: flags[name] for name in names}
+
+    def _padding_decode_inputs(self, t_pad: int, width: int) -> tuple[tuple, SamplingMetadata]:
+        """`_decode_steps`' inputs for a step of only padding at bucket t_pad and width, with
+        greedy sampling arrays."""
+        _, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
+            t_pad, width
+        )
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        greedy = SamplingParams(temperature=0.0)
+        meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
+        limits = np.zeros(t_pad, np.int32)
+        return (tokens, sources, previous, positions, metadata, copies, limits), meta
+
+    # The flags of greedy rows with nothing else asked (warmup, inspection).
+    _GREEDY_STEPS = dict(
+        use_truncation=False, all_greedy=True, num_logprobs=None, use_penalties=False
+    )
 
     def _warm_decode_steps(self, t_pad: int, width: int) -> None:
         """Compiles the loop of several decode steps (greedy) at each step count a step can
@@ -669,19 +675,18 @@ class ModelRunner:
         fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
         if most == 1 or fewest > self.max_num_seqs:
             return
-        _, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
-            t_pad, width
-        )
-        s_pad = min(t_pad, self.max_seqs_bucket)
-        meta = build_sampling_metadata(
-            [SamplingParams(temperature=0.0)], [[]], [0], [0], num_rows=s_pad
-        )
-        inputs = (tokens, sources, previous, positions, metadata, copies, np.zeros(t_pad, np.int32))
+        inputs, meta = self._padding_decode_inputs(t_pad, width)
         counts = [1 << i for i in range(1, most.bit_length()) if 1 << i < most] + [most]
         for num_steps in counts:
-            greedy = dict(use_truncation=False, all_greedy=True, num_logprobs=None)
-            greedy.update(use_penalties=False)
-            self._decode_steps(inputs, meta, num_steps, **greedy)
+            self._decode_steps(inputs, meta, num_steps, **self._GREEDY_STEPS)
+
+    def lower_decode_steps(self, num_tokens: int, num_steps: int, **lowering) -> jax.stages.Lowered:
+        """A step of num_steps greedy decode steps at num_tokens' bucket, lowered without
+        running, for inspection (as `lower_step`)."""
+        t_pad = self._bucket_tokens(num_tokens)
+        inputs, meta = self._padding_decode_inputs(t_pad, self.width_buckets[0])
+        args, options = self._decode_steps_call(inputs, meta, num_steps, self._GREEDY_STEPS)
+        return decode_steps.trace(*args, **options).lower(**lowering)
 
     def _swap(self, swaps_out: Sequence[tuple[int, int]], swaps_in: Sequence[tuple[int, int]]):
         """The step's swaps, out first: a block swapped in may be one a victim just left."""

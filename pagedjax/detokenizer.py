@@ -15,12 +15,16 @@ the same thing, but works with any tokenizer that has `decode` (slow ones too) a
 tokenizer's own decode options. For a fast tokenizer without clean-up, transformers' `decode` is
 exactly its backend's `decode` behind a wrapper that costs four times the decode itself (two
 decodes per token, every step, for every running request), so we call the backend directly.
+With a byte-level decoder (GPT-2, Llama 3, SmolLM2) the window's read part is the text the last
+window added, so its length is kept and each step decodes once, not twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers import decoders
 
 # Prompt tokens used as decoding context for the first output tokens, as in vLLM: enough for
 # a leading space or a multi-token character, small enough to stay cheap.
@@ -85,10 +89,18 @@ class IncrementalDetokenizer:
 
         # Only the prompt's last few tokens matter as context: keep those, not the whole prompt.
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        if context and self._decode(context).endswith(_REPLACEMENT_CHAR):
+        context_text = self._decode(context) if context else ""
+        if context_text.endswith(_REPLACEMENT_CHAR):
             # A prompt cut inside a character: the output's first bytes would complete it and
             # change text we count as already read. Decode the output on its own instead.
-            context = []
+            context, context_text = [], ""
+        # A byte-level decoder maps each token to bytes on its own, so the text of a window
+        # that starts where the last one's complete text ended is that text and more: the
+        # length of the window's read part is known (the last new text's) and never decoded
+        # again. None for other decoders (a SentencePiece window drops its leading space).
+        decoder = getattr(self._decoder, "decoder", None)
+        byte_level = self._decoder is backend and isinstance(decoder, decoders.ByteLevel)
+        self._prefix_len: int | None = len(context_text) if byte_level else None
         self._ids: list[int] = context
         self._num_context = len(context)
         self._prefix_offset = 0  # start of the decoding window in _ids
@@ -151,10 +163,12 @@ class IncrementalDetokenizer:
         return None
 
     def _save(self) -> tuple:
-        return (len(self._ids), self._prefix_offset, self._read_offset, self._text, self._held)
+        offsets = (self._prefix_offset, self._read_offset, self._prefix_len)
+        return (len(self._ids), *offsets, self._text, self._held)
 
     def _restore(self, saved: tuple) -> None:
-        num_ids, self._prefix_offset, self._read_offset, self._text, self._held = saved
+        num_ids, *offsets, self._text, self._held = saved
+        self._prefix_offset, self._read_offset, self._prefix_len = offsets
         del self._ids[num_ids:]
         self.finished, self.stop_reason = False, None
 
@@ -190,18 +204,20 @@ class IncrementalDetokenizer:
         """
         if self._read_offset == len(self._ids):
             return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_len = self._prefix_len
+        if prefix_len is None:
+            prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
         full_text = self._decode(self._ids[self._prefix_offset :])
-        if not flush and (
-            len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)
-        ):
+        if not flush and (len(full_text) <= prefix_len or full_text.endswith(_REPLACEMENT_CHAR)):
             # No text yet (skipped special tokens), or a character whose remaining bytes are
             # still to come: keep the offsets, so the next step decodes these tokens again with
             # the same context. A flush emits whatever there is, as the full decode would.
             return ""
-        new_text = full_text[len(prefix_text) :]
+        new_text = full_text[prefix_len:]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        if self._prefix_len is not None:
+            self._prefix_len = len(new_text)  # the next window's read part
         return new_text
 
     def _add_text(self, new_text: str, may_stop: bool) -> str | None:

@@ -430,20 +430,21 @@ class Scheduler:
         """The request's share of the step, its prompt-logprob targets, and its sample rows
         (a parent about to sample its first token forks its siblings here)."""
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + num_new]
-        drafts = out.drafts.get(index)
+        all_tokens = request.all_token_ids
+        tokens = all_tokens[start : start + num_new]
+        drafts = out.drafts.get(index) if out.drafts else None
         if drafts:
             self._add_draft_rows(out, index, request, tokens, drafts)
             return
         seq = ScheduledSequence(tokens, start, self.kv.get_block_ids(request))
         out.seqs.append(seq)
-        if request.skip_prefix_cache:
+        if request.num_prompt_logprobs and request.skip_prefix_cache:
             self._ask_prompt_logprobs(out, request, seq)
-        if start + num_new < request.num_tokens:
+        if start + num_new < len(all_tokens):
             return  # a prefill chunk that does not reach the end: nothing to sample
         samplers = [request]
-        if request.sample_index == 0 and request.num_output_tokens == 0:
-            for i in range(1, request.params.n):
+        if request.sample_index == 0 and len(all_tokens) == request.num_prompt_tokens:
+            for i in range(1, request.params.n):  # its first sample: the siblings fork
                 child = request.make_child(i)
                 out.forks.append((request, child))
                 samplers.append(child)

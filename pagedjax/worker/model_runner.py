@@ -458,12 +458,17 @@ class ModelRunner:
         step_tokens, step_positions, step_slots, ends, lens = [], [], [], [], []
         end = 0
         for i, seq in enumerate(seqs):
-            computed, block_ids = seq.num_computed_tokens, seq.block_ids
-            q_len = len(seq.token_ids)
-            new_positions = range(computed, computed + q_len)
-            step_tokens += seq.token_ids
-            step_positions += new_positions
-            step_slots += [block_ids[p // bs] * bs + p % bs for p in new_positions]
+            computed, block_ids, token_ids = seq.num_computed_tokens, seq.block_ids, seq.token_ids
+            q_len = len(token_ids)
+            if q_len == 1:  # a decode: most sequences of most steps
+                step_tokens.append(token_ids[0])
+                step_positions.append(computed)
+                step_slots.append(block_ids[computed // bs] * bs + computed % bs)
+            else:
+                new_positions = range(computed, computed + q_len)
+                step_tokens += token_ids
+                step_positions += new_positions
+                step_slots += [block_ids[p // bs] * bs + p % bs for p in new_positions]
             tables[i, : len(block_ids)] = block_ids
             end += q_len
             ends.append(end)

@@ -547,8 +547,6 @@ def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
     every step's arrays equal a full build's."""
     import dataclasses
 
-    from pagedjax.sampler import build_sampling_metadata
-
     engine = make_engine(tiny)
     runner = engine.engine_core.worker.runner
     built, reused = runner._sampling_metadata, []
@@ -557,18 +555,7 @@ def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
         before = runner._last_sampling
         meta = built(rows, r_pad, token_mask, draft_ids)
         reused.append(before is not None and runner._last_sampling is before)
-        full = build_sampling_metadata(
-            [r.params for r in rows],
-            [r.token_ids for r in rows],
-            [r.num_prompt_tokens for r in rows],
-            [r.seed for r in rows],
-            num_rows=r_pad,
-            extra_bias=[r.extra_bias for r in rows],
-            history_width=runner.max_blocks_per_seq * runner.block_size,
-            num_tokens=[r.num_tokens for r in rows],
-            token_mask=token_mask,
-            draft_token_ids=draft_ids,
-        )
+        full = runner.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
         for field in dataclasses.fields(full):
             want, got = getattr(full, field.name), getattr(meta, field.name)
             assert (want is None and got is None) or np.array_equal(want, got), field.name

@@ -176,6 +176,13 @@ def _fetch_steps(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None
     return jax.tree.map(rows_first, logprobs)
 
 
+def _greedy_metadata(num_rows: int) -> SamplingMetadata:
+    """Sampling arrays of num_rows greedy rows (warmup, inspection)."""
+    return build_sampling_metadata(
+        [SamplingParams(temperature=0.0)], [[]], [0], [0], num_rows=num_rows
+    )
+
+
 def _logits_rows(
     seqs: Sequence[ScheduledSequence], rows: Sequence[SampleRow]
 ) -> tuple[list[int], list[int], list[int]]:
@@ -416,9 +423,14 @@ class ModelRunner:
         the bucket's fewest tokens fit one per sequence, False if it can hold a 2-token chunk."""
         if not self.has_decode_kernel:
             return [None]
-        fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
-        variants = [True] if fewest <= self.max_num_seqs else []
+        variants = [True] if self._holds_decodes_only(t_pad) else []
         return variants + ([False] if t_pad > 1 else [])
+
+    def _holds_decodes_only(self, t_pad: int) -> bool:
+        """Whether a step of bucket t_pad can be one token per sequence: its fewest tokens
+        are not more than max_num_seqs."""
+        fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
+        return fewest <= self.max_num_seqs
 
     def prepare(
         self,
@@ -661,9 +673,7 @@ class ModelRunner:
         _, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
             t_pad, width
         )
-        s_pad = min(t_pad, self.max_seqs_bucket)
-        greedy = SamplingParams(temperature=0.0)
-        meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
+        meta = _greedy_metadata(min(t_pad, self.max_seqs_bucket))
         limits = np.zeros(t_pad, np.int32)
         return (tokens, sources, previous, positions, metadata, copies, limits), meta
 
@@ -677,8 +687,7 @@ class ModelRunner:
         take (powers of two below num_scheduler_steps, and it), if a step of bucket t_pad can
         hold only decodes."""
         most = self.num_scheduler_steps
-        fewest = 1 + max((b for b in self.token_buckets if b < t_pad), default=0)
-        if most == 1 or fewest > self.max_num_seqs:
+        if most == 1 or not self._holds_decodes_only(t_pad):
             return
         inputs, meta = self._padding_decode_inputs(t_pad, width)
         counts = [1 << i for i in range(1, most.bit_length()) if 1 << i < most] + [most]
@@ -766,9 +775,22 @@ class ModelRunner:
             steps = np.zeros(r_pad, np.int32)
             steps[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
             return replace(last[1], steps=steps)
-        params = [r.params for r in rows]
-        meta = build_sampling_metadata(
-            params,
+        meta = self.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
+        # Penalties read the histories, which change every step: those are always built.
+        reusable = plain and not needs_penalties([r.params for r in rows])
+        self._last_sampling = (key, meta) if reusable else None
+        return meta
+
+    def build_sampling_metadata(
+        self,
+        rows: Sequence[SampleRow],
+        r_pad: int,
+        token_mask: np.ndarray | None = None,
+        draft_ids: list[int] | None = None,
+    ) -> SamplingMetadata:
+        """The rows' sampling arrays, all built (`_sampling_metadata` reuses what it can)."""
+        return build_sampling_metadata(
+            [r.params for r in rows],
             [r.token_ids for r in rows],
             [r.num_prompt_tokens for r in rows],
             [r.seed for r in rows],
@@ -779,10 +801,6 @@ class ModelRunner:
             token_mask=token_mask,
             draft_token_ids=draft_ids,
         )
-        # Penalties read the histories, which change every step: those are always built.
-        reusable = plain and not needs_penalties(params)
-        self._last_sampling = (key, meta) if reusable else None
-        return meta
 
     def _run_processors(self, logits: jax.Array, rows: Sequence[SampleRow]) -> jax.Array:
         """vLLM's per-request logits processors, on the host: the rows that have them come
@@ -907,8 +925,7 @@ class ModelRunner:
                     self._warm_chains(width)
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
-            greedy = SamplingParams(temperature=0.0)
-            meta = build_sampling_metadata([greedy], [[]], [0], [0], num_rows=s_pad)
+            meta = _greedy_metadata(s_pad)
             sample(
                 logits,
                 meta,

@@ -555,3 +555,33 @@ def test_prefix_stats_count_an_admission_once_however_often_it_waits():
     assert manager.allocate_slots(b, 3, hits, num_hits) is not None
     stats = manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 12 + 11, 8)
+
+
+def test_a_copy_source_its_holders_leave_is_not_swapped_into_before_the_copy():
+    """Found by the stateful test: a parent writes into the partial block it shares with its
+    fork (a copy is queued from it), the fork swaps out, and another request swaps in in the
+    same step. Swaps run before the step's copies, so the swap-in must not land in the copy's
+    source; the source is free again once the copies are taken."""
+    manager = KVCacheManager(5, 2, num_host_blocks=8)
+    parent, other = Request("p", [0]), Request("o", [1])
+    for request in (parent, other):
+        hits, num_hits = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, 1, hits, num_hits)
+        request.num_computed_tokens = 1
+        request.append_token_ids(0)
+    child = fork_request(parent, "c")
+    child.append_token_ids(0)
+    manager.fork(parent, child)
+    manager.swap_out(other)  # swapped out in an earlier step
+    manager.pop_swaps()
+    shared = manager.get_block_ids(child)[0]
+    manager.allocate_slots(parent, 1)  # writes position 1 of the shared block: copy-on-write
+    manager.swap_out(child)  # the source's last holder leaves
+    assert manager.swap_in(other, 0)
+    assert shared not in manager.get_block_ids(other)
+    assert manager.pop_block_copies() == [(shared, manager.get_block_ids(parent)[0])]
+    manager.free(parent)
+    manager.free(other)
+    manager.free(child)
+    manager.pop_swaps()
+    assert manager.block_pool.num_free_blocks == manager.block_pool.num_usable_blocks

@@ -265,6 +265,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         holders = Counter()
         for request in self.running.values():
             holders.update(manager.get_block_ids(request))
+        # A pending copy's source its holders left: kept until the copies run.
+        holders.update(block.block_id for block in manager._held_copy_sources)
         assert NULL_BLOCK_ID not in holders
         assert pool.null_block.ref_cnt == 0
         for block in pool.blocks[1:]:
@@ -292,6 +294,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         for request in [*self.running.values(), *self.swapped.values()]:
             self.manager.free(request)
+        self.manager.pop_block_copies()  # as the scheduler does every step
         self.manager.pop_swaps()
         assert self.manager.host_pool.num_used_blocks == 0
         pool = self.manager.block_pool

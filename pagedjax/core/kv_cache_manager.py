@@ -120,6 +120,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._held_copy_sources: list[KVCacheBlock] = []  # see `free`
         self.host_pool = HostBlockPool(num_host_blocks)
         self._swapped: dict[Hashable, _SwappedBlocks] = {}
         # This step's transfers: (device block, host block) out, (host block, device block) in.
@@ -588,6 +589,14 @@ class KVCacheManager:
             self._pending_copies = [
                 (src, dst) for src, dst in self._pending_copies if blocks[dst].ref_cnt > 0
             ]
+            # A copy's source whose last holder just left stays out of the free queue until
+            # the copies are popped: the step's swaps run before its copies, so a swap-in
+            # must not reuse it.
+            for src, _ in self._pending_copies:
+                block = blocks[src]
+                if block.ref_cnt == 0:
+                    self.block_pool.touch((block,))
+                    self._held_copy_sources.append(block)
 
     # ----------------------------------------------------------------- queries
 
@@ -605,6 +614,9 @@ class KVCacheManager:
     def pop_block_copies(self) -> list[tuple[int, int]]:
         """Take the (src, dst) block copies queued since the last call; apply them in order."""
         copies, self._pending_copies = self._pending_copies, []
+        if self._held_copy_sources:  # copied before any later step writes: free again
+            self.block_pool.free_blocks(self._held_copy_sources)
+            self._held_copy_sources = []
         return copies
 
     def _get_state(self, request: KVCacheRequest) -> _RequestBlocks:

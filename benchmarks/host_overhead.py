@@ -30,7 +30,9 @@ small (unless --model: 1 layer, hidden 64, a 2,048-word vocabulary); the second 
 timed, with async scheduling off and on, one decode step per dispatch and --multi-step
 (num_scheduler_steps) of them: ms per dispatched step, ms per token-step (a forward pass of
 every running row), and of that the host's share (the time not blocked on the device's
-results; on a CPU the device's work shares the cores with it).
+results; on a CPU the device's work shares the cores with it). --core-process: also with
+the engine core in a process of its own (`LLM(core_process=True)`, async scheduling on),
+this process detokenizing and building outputs; its host share is the core's.
 """
 
 from __future__ import annotations
@@ -240,13 +242,16 @@ def generate_steps(args) -> None:
     rng = random.Random(0)
     result = {"running_requests": args.running, "tokens": args.steps}
     asyncs = ("on",) if args.async_only else ("off", "on")
-    modes = [(k, a) for k in sorted({1, args.multi_step}) for a in asyncs]
-    for num_steps, mode in modes:
+    modes = [(k, a, False) for k in sorted({1, args.multi_step}) for a in asyncs]
+    if args.core_process:  # the core in a process of its own, async scheduling on
+        modes += [(k, "on", True) for k in sorted({1, args.multi_step})]
+    for num_steps, mode, core_process in modes:
         llm = make_llm(
             args.running,
             args.model,
             async_scheduling=mode == "on",
             num_scheduler_steps=num_steps,
+            core_process=core_process,
         )
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [
@@ -255,25 +260,23 @@ def generate_steps(args) -> None:
         ]
         params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # compiles every shape the run takes
-        core = llm.llm_engine.engine_core
-        before = (core.num_steps, core.num_model_steps, core.device_wait_s)
+        engine = llm.llm_engine
+        counters = ("num_steps", "num_model_steps", "device_wait_s")
+        before = [engine.stats()[key] for key in counters]
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        steps, model_steps, waited = (
-            now - then
-            for now, then in zip(
-                (core.num_steps, core.num_model_steps, core.device_wait_s), before, strict=True
-            )
-        )
-        name = f"k{num_steps}_async_{mode}"
+        after = [engine.stats()[key] for key in counters]
+        steps, model_steps, waited = (now - then for now, then in zip(after, before, strict=True))
+        name = f"k{num_steps}_async_{mode}" + ("_core_process" if core_process else "")
         result[f"{name}_steps"] = steps
         result[f"{name}_token_steps"] = model_steps
         result[f"{name}_ms_per_step"] = 1000 * seconds / steps
         result[f"{name}_ms_per_token_step"] = 1000 * seconds / model_steps
         result[f"{name}_host_ms_per_token_step"] = 1000 * (seconds - waited) / model_steps
         result[f"{name}_output_tokens_per_s"] = args.running * args.steps / seconds
-        del llm, core
+        llm.llm_engine.shutdown()
+        del llm, engine
     report("host_overhead_generate", result, smoke=args.smoke)
 
 
@@ -294,6 +297,11 @@ def main() -> None:
         "--async-only", action="store_true", help="--generate: only with async scheduling on"
     )
     parser.add_argument(
+        "--core-process",
+        action="store_true",
+        help="--generate: also with the engine core in a process of its own (async on)",
+    )
+    parser.add_argument(
         "--model", default=None, help="a model directory (default: the default model); on a "
         "GPU e.g. the one `gpu_throughput.py --model-dir DIR --build-only` saves",
     )  # fmt: skip
@@ -310,6 +318,7 @@ def main() -> None:
     else:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)
+    args.core_process = args.core_process or args.smoke
     if (args.smoke or args.generate) and args.model is None:  # no time on the device
         args.model = str(save_random_llama())
     for mode, steps in modes.items():

@@ -5,7 +5,8 @@ saturation throughput with the same requests through `LLM.generate` in this proc
     python benchmarks/serve.py [--workload W1|W2] [--input-len N] [--requests 32]
         [--rates 1,2,4,inf] [--max-tokens 64] [--max-concurrency N] [--no-offline]
         [--model PATH] [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N]
-        [--num-kv-blocks N] [--server-args="--flag value ..."] [--seed 0] [--quick]
+        [--num-kv-blocks N] [--server-args="--flag value ..."] [--compare-in-process]
+        [--random-model] [--seed 0] [--quick]
     python benchmarks/serve.py --soak [N] [--soak-concurrency 32] [--disconnect-fraction 0.1]
         [--soak-warmup N]
 
@@ -20,7 +21,9 @@ unmeasured waves of other prompts go first (a burst, then the highest finite rat
 Saturation: the inf rate's requests run first offline through `LLM.generate` with the same
 engine options (after `warmup()` and the same burst wave; the engine is freed before the
 server starts), then over HTTP; output tokens/s of both and their ratio (target >= 0.9).
-Writes results/serve.json (W2: serve_w2.json).
+--compare-in-process: the inf rate's requests again, after the same warm-up, on a second
+server started with `--no-core-process` (the engine core on a thread of the server's process):
+output tok/s of both and their ratio. Writes results/serve.json (W2: serve_w2.json).
 
 --soak N (default 2000): N short requests (1-8 tokens, random sampling parameters, completions
 and chat, streaming and not) with at most --soak-concurrency in flight; --disconnect-fraction
@@ -36,7 +39,8 @@ of 64 requests); its results go to results/serve_quick.json / serve_soak_quick.j
 numbers check that everything runs, nothing more: a shape compiled on first use in its
 sub-second rates can halve them. --smoke is smaller still, for tests/test_benchmarks.py: 2
 requests at inf req/s x 4 tokens (a soak of 16) on a tiny random Llama unless --model is given,
-its files in a temporary folder.
+its files in a temporary folder. --random-model: that tiny Llama (random token ids) at full
+size, so the server's host work, not the model, decides the throughput.
 """
 
 from __future__ import annotations
@@ -541,16 +545,7 @@ def bench_rates(args: argparse.Namespace) -> dict:
     per_rate = []
     with serve(server_args(args, options), args.server_timeout, args.server_log) as server:
         model = model_name(server.url)
-        # Warm-up, not measured: the server compiles a shape when a step first needs it. A
-        # burst (what the offline run's warm-up wave is) and a wave at the highest finite
-        # rate, whose mixed prefill and decode steps need other token counts than a burst.
-        start = time.perf_counter()
-        finite = [rate for rate in rates if not math.isinf(rate)]
-        for k, rate in enumerate([math.inf, *finite[-1:]]):
-            jobs = greedy_jobs(model, *request_set(tokenizer, args, args.requests, warm_seed + k))
-            arrivals = arrival_times(rate, len(jobs), warm_seed + k)
-            asyncio.run(run_arrivals(server.url, jobs, arrivals, args.max_concurrency))
-        result["http_warmup_s"] = time.perf_counter() - start
+        result["http_warmup_s"] = warm_up(args, server.url, model, tokenizer, rates, warm_seed)
         for rate in rates:
             jobs = greedy_jobs(model, *sets[rate])
             arrivals = arrival_times(rate, len(jobs), seeds[rate])
@@ -566,6 +561,14 @@ def bench_rates(args: argparse.Namespace) -> dict:
         result["waiting_after"] = after.get(WAITING, float("nan"))
         result["kv_blocks_in_use_after"] = after.get(BLOCKS_IN_USE, float("nan"))
     print_rates(rates, per_rate)
+    if args.compare_in_process and math.inf in rates:
+        result |= in_process_saturation(args, options, tokenizer, rates, sets, warm_seed)
+        own, shared = (result[f"{p}rate_inf_output_tokens_per_s"] for p in ("", "in_process_"))
+        result["core_process_vs_in_process"] = own / shared
+        print(
+            f"saturation: the engine core in its own process {own:.1f} vs in the server's "
+            f"{shared:.1f} output tok/s: {own / shared:.3f}x"
+        )
     if not args.no_offline:
         http = result["rate_inf_output_tokens_per_s"]
         result["http_vs_offline"] = http / result["offline_output_tokens_per_s"]
@@ -576,6 +579,37 @@ def bench_rates(args: argparse.Namespace) -> dict:
         )
     result["errors"] = sum(s["errors"] for s in per_rate)
     return result
+
+
+def warm_up(
+    args: argparse.Namespace, url: str, model: str | None, tokenizer, rates, warm_seed: int
+) -> float:
+    """Unmeasured waves (the server compiles a shape when a step first needs it): a burst
+    (what the offline run's warm-up wave is) and a wave at the highest finite rate, whose mixed
+    prefill and decode steps need other token counts than a burst. Returns the seconds."""
+    start = time.perf_counter()
+    finite = [rate for rate in rates if not math.isinf(rate)]
+    for k, rate in enumerate([math.inf, *finite[-1:]]):
+        jobs = greedy_jobs(model, *request_set(tokenizer, args, args.requests, warm_seed + k))
+        arrivals = arrival_times(rate, len(jobs), warm_seed + k)
+        asyncio.run(run_arrivals(url, jobs, arrivals, args.max_concurrency))
+    return time.perf_counter() - start
+
+
+def in_process_saturation(
+    args: argparse.Namespace, options: dict, tokenizer, rates, sets: dict, warm_seed: int
+) -> dict:
+    """The inf rate again on a server whose engine core runs in its own process's thread
+    (`--no-core-process`, the server before issue 41), after the same warm-up."""
+    flags = [*server_args(args, options), "--no-core-process"]
+    with serve(flags, args.server_timeout) as server:
+        model = model_name(server.url)
+        warm_up(args, server.url, model, tokenizer, rates, warm_seed)
+        jobs = greedy_jobs(model, *sets[math.inf])
+        print(f"in-process core, rate inf: {len(jobs)} requests ...", flush=True)
+        results = asyncio.run(run_arrivals(server.url, jobs, [0.0] * len(jobs), None))
+    summary = summarize(results)
+    return {f"in_process_rate_inf_{k}": v for k, v in summary.items()}
 
 
 # ---------------------------------------------------------------------------- soak
@@ -732,6 +766,16 @@ def main() -> None:
         default="",
         help='more flags for `pagedjax serve` only, as --server-args="--flag value"',
     )
+    parser.add_argument(
+        "--random-model",
+        action="store_true",
+        help="a tiny random Llama, whose device work is negligible: the serving host's cost",
+    )
+    parser.add_argument(
+        "--compare-in-process",
+        action="store_true",
+        help="run the inf rate again on a server with --no-core-process (same run)",
+    )
     parser.add_argument("--server-timeout", type=float, default=600.0, help="start-up limit, s")
     parser.add_argument(
         "--server-log", type=Path, default=None, help="keep the server's output in this file"
@@ -760,7 +804,7 @@ def main() -> None:
         args.max_num_seqs, args.max_num_batched_tokens = 4, 64
         if args.soak is not None:
             args.soak, args.soak_concurrency, args.soak_warmup = 16, 4, 4
-    args.random_ids = args.smoke and args.model is None
+    args.random_ids = (args.smoke and args.model is None) or args.random_model
     if args.random_ids:  # a tiny random Llama: the server starts and compiles in seconds
         args.model = str(save_random_llama())
     # SIGTERM runs the same teardown as Ctrl-C: the server must not outlive the benchmark.

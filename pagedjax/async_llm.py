@@ -75,7 +75,9 @@ class AsyncLLM:
     """`AsyncLLM(model=None, *, max_waiting_requests=None, **engine_options)`.
 
     `max_waiting_requests`: requests not yet running beyond which `generate` raises
-    `QueueFullError` (a server's 503); None: no limit.
+    `QueueFullError` (a server's 503); None: no limit. `core_process`: the engine core in a
+    process of its own (as `pagedjax serve` runs it), this one keeping the loop, the
+    tokenizer and the detokenizer.
     """
 
     def __init__(
@@ -84,11 +86,14 @@ class AsyncLLM:
         *,
         max_waiting_requests: int | None = None,
         engine: LLMEngine | None = None,
+        core_process: bool = False,
         **engine_options,
     ):
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1: {max_waiting_requests}")
-        self.engine = engine or LLMEngine(EngineConfig.from_options(model, **engine_options))
+        self.engine = engine or LLMEngine(
+            EngineConfig.from_options(model, **engine_options), core_process=core_process
+        )
         self.config = self.engine.config
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
@@ -202,7 +207,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Shutdown())
             self._thread.join(timeout)
-            self.engine.shutdown()  # other hosts' processes stop following
+        self.engine.shutdown()  # other hosts' processes stop following; a core process ends
 
     # ------------------------------------------------------------- engine thread
 

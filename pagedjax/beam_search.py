@@ -82,6 +82,10 @@ def beam_search(
 
     if not engine.is_leader:
         return engine.follow() or []
+    if engine.core_process is not None:
+        raise InvalidRequestError(
+            "beam_search forks sequences in the engine core: build the LLM without core_process"
+        )
     if engine.has_unfinished_requests():
         raise InvalidRequestError(
             "beam_search steps the engine on its own: let its other requests finish (or abort "

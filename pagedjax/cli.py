@@ -223,6 +223,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="compile each step shape on first use instead of before listening",
     )
     parser.add_argument(
+        "--no-core-process",
+        dest="core_process",
+        action="store_false",
+        help="run the engine core in the server's process (it has a process of its own by "
+        "default, so HTTP and detokenizing never hold its interpreter lock)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

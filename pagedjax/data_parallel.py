@@ -21,6 +21,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.hashing import BlockHash, hash_request_tokens, request_extra_keys
 from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.scheduler import RequestLimits
 from pagedjax.core.spec_decode import SpecDecodeStats
 from pagedjax.engine_core import EngineCore
 
@@ -129,6 +130,13 @@ class DataParallelCore:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         self.cores[0].check_fits(num_prompt_tokens, max_tokens, n)  # replicas are alike
+
+    def request_limits(self) -> RequestLimits:
+        return self.cores[0].request_limits()
+
+    def has_request(self, group_id: str) -> bool:
+        replica = self._replica_of.get(group_id)
+        return replica is not None and self.cores[replica].has_request(group_id)
 
     def abort_requests(self, group_ids: list[str]) -> None:
         for group_id in group_ids:

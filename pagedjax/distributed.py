@@ -41,6 +41,13 @@ ENVIRONMENT = {
 MIN_PAYLOAD = 1 << 10
 
 
+def joins_processes(coordinator_address: str | None) -> bool:
+    """Whether the engine is to join other processes (an address given, or in the
+    environment) or has joined them already."""
+    address = coordinator_address or os.environ.get(ENVIRONMENT["coordinator_address"])
+    return address is not None or jax.distributed.is_initialized()
+
+
 def initialize(
     coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> None:

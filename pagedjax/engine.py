@@ -24,9 +24,11 @@ from pagedjax import distributed
 from pagedjax.config import EngineConfig
 from pagedjax.constraints import ConstraintBuilder
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.sched_output import EngineCoreOutput
 from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.distributed import StepChannel
 from pagedjax.engine_core import EngineCore
+from pagedjax.engine_core_client import CoreProcessClient
 from pagedjax.errors import DuplicateRequestIdError, EngineSleepingError, InvalidRequestError
 from pagedjax.inputs import Prompt, PromptType, parse_prompt
 from pagedjax.output_processor import OutputProcessor
@@ -44,35 +46,33 @@ class LLMEngine:
         model_config: ModelConfig | None = None,
         params: Params | None = None,
         tokenizer=None,
+        *,
+        core_process: bool = False,
     ):
-        # Processes join before JAX touches a device; then the leader schedules.
-        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-        self.channel = StepChannel() if jax.process_count() > 1 else None
-        self.is_leader = self.channel is None or self.channel.is_leader
-        platform = current_platform()
-        if config.block_size is None:
-            config = replace(config, block_size=platform.default_block_size)
-        self.config = config
+        """core_process: run the engine core (scheduler, model, KV pool) in a process of its
+        own (`engine_core_client.py`), so this process's work (a server's HTTP, tokenizing,
+        detokenizing) never holds the core's interpreter lock; one host only, weights loaded
+        from `config.model`."""
         # The tokenizer loads on a thread while the weights load and pack: most of its time is
         # importing transformers, and the weights' numpy work releases the GIL.
         pool = ThreadPoolExecutor(1)
         source = config.tokenizer or config.model
         pending = pool.submit(load_tokenizer, source) if tokenizer is None else None
         pool.shutdown(wait=False)  # the load already submitted runs on
-        # One engine core per data-parallel replica, each on its own devices.
-        replicas = replica_devices(config) or [None]
-        self.workers = [
-            Worker(config, platform, model_config, params, devices, self.channel, replica)
-            for replica, devices in enumerate(replicas)
-        ]
-        workers = self.workers
-        # The worker decides "auto" options once (the dtype): the engine's config holds them.
-        config = self.config = workers[0].config
-        cores = [EngineCore(config, worker) for worker in workers]
-        self.engine_core: EngineCore | DataParallelCore = (
-            cores[0] if len(cores) == 1 else DataParallelCore(cores)
-        )
-        self.model_config = workers[0].model_config
+        self.core_process: CoreProcessClient | None = None
+        if core_process:
+            if params is not None or distributed.joins_processes(config.coordinator_address):
+                raise ValueError(
+                    "core_process runs one host's engine on weights it loads itself: drop "
+                    "params and the coordinator address, or run the core in this process"
+                )
+            self.core_process = CoreProcessClient(config)
+            self.channel, self.is_leader, self.workers = None, True, []
+            self.engine_core: EngineCore | DataParallelCore | CoreProcessClient = self.core_process
+            config, self.model_config = self.core_process.config, self.core_process.model_config
+        else:
+            config = self._start_core(config, model_config, params)
+        self.config = config
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.constraints = ConstraintBuilder(self.tokenizer, self.model_config.vocab_size)
@@ -90,6 +90,31 @@ class LLMEngine:
             # extension objects never freed print leak reports (triton's bindings).
             atexit.unregister(gc.unfreeze)
             atexit.register(gc.unfreeze)
+
+    def _start_core(
+        self, config: EngineConfig, model_config: ModelConfig | None, params: Params | None
+    ) -> EngineConfig:
+        """Builds the workers and engine cores in this process; returns the config as the
+        workers resolved it."""
+        # Processes join before JAX touches a device; then the leader schedules.
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        self.channel = StepChannel() if jax.process_count() > 1 else None
+        self.is_leader = self.channel is None or self.channel.is_leader
+        platform = current_platform()
+        if config.block_size is None:
+            config = replace(config, block_size=platform.default_block_size)
+        # One engine core per data-parallel replica, each on its own devices.
+        replicas = replica_devices(config) or [None]
+        self.workers = [
+            Worker(config, platform, model_config, params, devices, self.channel, replica)
+            for replica, devices in enumerate(replicas)
+        ]
+        # The worker decides "auto" options once (the dtype): the engine's config holds them.
+        config = self.workers[0].config
+        cores = [EngineCore(config, worker) for worker in self.workers]
+        self.engine_core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
+        self.model_config = self.workers[0].model_config
+        return config
 
     # ------------------------------------------------------------------ requests
 
@@ -140,6 +165,11 @@ class LLMEngine:
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
         constraints = self.constraints.build(params)  # InvalidRequestError if malformed
+        if params.logits_processors and self.core_process is not None:
+            raise InvalidRequestError(
+                "logits_processors are Python callables that run beside the scheduler: they "
+                "need the engine core in this process (core_process=False)"
+            )
         if constraints is not None and self.channel is not None:
             # Their host state (grammars, callables) lives in process 0 only.
             raise InvalidRequestError(
@@ -207,12 +237,27 @@ class LLMEngine:
 
     @property
     def cores(self) -> list[EngineCore]:
+        """The engine cores of this process (none when the core runs in its own)."""
         core = self.engine_core
+        if isinstance(core, CoreProcessClient):
+            return []
         return core.cores if isinstance(core, DataParallelCore) else [core]
 
     def update_weights(self, params: Params | Mapping[str, object]) -> list[RequestOutput]:
         """Replaces the model's weights between steps (`pagedjax/weight_sync.py` has the
-        whole story); returns the outputs of the step that was in flight."""
+        whole story); returns the outputs of the step that was in flight (with the core in
+        its own process, the next `step()` returns them)."""
+        if self.core_process is not None:
+            self.core_process.update_weights(params)  # checked there: ModelLoadError
+            return []
+        outputs, stopped = self.output_processor.process_outputs(self.update_core_weights(params))
+        if stopped:
+            self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def update_core_weights(self, params: Params | Mapping[str, object]) -> list[EngineCoreOutput]:
+        """`update_weights` for this process's cores; returns what their steps in flight
+        produced."""
         params = as_params(self.model_config, params)  # ModelLoadError, nothing changed
         core_outputs = []
         for core in self.cores:
@@ -220,10 +265,7 @@ class LLMEngine:
                 core_outputs += core.update_weights(params)
             else:  # a follower's scheduler is idle: only its devices take the weights
                 core.worker.set_params(params)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return core_outputs
 
     def dense_kernels(self) -> DenseKernels:
         """The kernels with which `models.training`'s dense forward computes this engine's
@@ -233,23 +275,36 @@ class LLMEngine:
                 "dense_kernels() reproduces a batch-invariant engine's arithmetic (decode rows "
                 "and prefill chunks alike): build the engine with batch_invariant=True"
             )
+        if not self.workers:
+            raise ValueError("dense_kernels() needs the engine core in this process")
         return self.workers[0].platform.dense_kernels(self.config.block_size)
 
     def sleep(self, level: int = 1) -> None:
+        if self.core_process is not None:
+            self.core_process.sleep(level)
         for core in self.cores:
             core.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.core_process is not None:
+            self.core_process.wake_up(tags)
         for core in self.cores:
             core.wake_up(tags)
 
     def is_sleeping(self) -> bool:
+        if self.core_process is not None:
+            return self.core_process.is_sleeping()
         return any(core.worker.is_sleeping for core in self.cores)
+
+    def has_weights(self) -> bool:
+        if self.core_process is not None:
+            return self.core_process.has_weights()
+        return all(core.worker.has_weights for core in self.cores)
 
     def _check_awake(self) -> None:
         if self.is_sleeping():
             raise EngineSleepingError("the engine is asleep: call wake_up() before generating")
-        if not all(core.worker.has_weights for core in self.cores):
+        if not self.has_weights():
             raise EngineSleepingError(
                 "the engine has no weights (sleep(level=2) discarded them): give new ones "
                 "with update_weights() or load_weights()"
@@ -286,7 +341,10 @@ class LLMEngine:
             self.workers[replica].follow(kind, payload)
 
     def shutdown(self) -> None:
-        """Leader: releases the followers for good (they stop following)."""
+        """Leader: releases the followers for good (they stop following); stops the core's
+        process."""
+        if self.core_process is not None:
+            self.core_process.shutdown()
         if self.channel is not None and self.is_leader:
             self.channel.send(("stop", 0, None))
 

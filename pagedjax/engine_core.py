@@ -18,7 +18,7 @@ from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
-from pagedjax.core.scheduler import Scheduler
+from pagedjax.core.scheduler import RequestLimits, Scheduler
 from pagedjax.core.swap_policy import SwapCostModel, preemption_policy
 from pagedjax.errors import InvalidRequestError
 from pagedjax.worker.model_runner import StepHandle, seqs_bucket
@@ -109,6 +109,13 @@ class EngineCore:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         """Raises ValueError if such a request could never run (see Scheduler.check_fits)."""
         self.scheduler.check_fits(num_prompt_tokens, max_tokens, n)
+
+    def request_limits(self) -> RequestLimits:
+        return self.scheduler.limits()
+
+    def has_request(self, group_id: str) -> bool:
+        """Whether a user request still has a sequence unfinished here."""
+        return group_id in self.scheduler.requests
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (nothing changed) while requests hold
@@ -233,6 +240,9 @@ class EngineCore:
             "host_kv_blocks_cached": ledger.host_cached_blocks,
             "host_kv_blocks_total": ledger.host_total_blocks,
             "num_compilations": self.worker.runner.num_compilations,
+            "num_steps": self.num_steps,
+            "num_model_steps": self.num_model_steps,
+            "device_wait_s": self.device_wait_s,
             "num_generated_tokens": self.scheduler.num_generated_tokens,
             "num_prompt_tokens": self.scheduler.num_prompt_tokens,
             "generation_tokens_per_s": self._tokens_per_second(),

@@ -56,7 +56,11 @@ class LLM:
     In memory (`pagedjax/weight_sync.py`): `LLM(model, params=..., tokenizer=...)` runs the
     given weights (pagedjax's layout or an HF state dict), with `model` a ModelConfig, a
     transformers config or a path to read the config from, and `tokenizer` a tokenizer or a
-    path (needed when `model` is not a path)."""
+    path (needed when `model` is not a path).
+
+    `core_process=True`: the engine core (scheduler, model, KV pool) runs in a process of its
+    own, as `pagedjax serve` runs it, while this one detokenizes and builds the outputs; the
+    weights then come from `model`, a path (`engine_core_client.py`)."""
 
     def __init__(
         self,
@@ -64,6 +68,7 @@ class LLM:
         *,
         params: Params | Mapping[str, object] | None = None,
         tokenizer: str | object | None = None,
+        core_process: bool = False,
         **engine_options,
     ):
         in_memory = model is not None and not isinstance(model, (str, os.PathLike))
@@ -85,7 +90,9 @@ class LLM:
         if params is not None:
             model_config = model_config_of(model) if in_memory else load_model_config(path)
             params = as_params(model_config, params)
-        self.llm_engine = LLMEngine(config, model_config, params, tokenizer_object)
+        self.llm_engine = LLMEngine(
+            config, model_config, params, tokenizer_object, core_process=core_process
+        )
         self._counter = 0
 
     # ------------------------------------------------------------ weights in and out

@@ -153,6 +153,8 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if not out.new_token_ids and out.status is None:
                 continue  # a prefill chunk's prompt logprobs: output with the first token
+            if out.index < len(state.sequences) and state.sequences[out.index].status is not None:
+                continue  # a stop string ended it: a core in another process ran on
             if self._update_sequence(state, out, now) is None:
                 touched.setdefault(out.request_id, False)
                 continue

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.kv_cache_manager import KVCacheManager
@@ -49,6 +50,39 @@ from pagedjax.core.spec_decode import DraftModelSlots, SpecDecodeStats, Speculat
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What any request must fit in: sequence slots, length, and the whole KV pool (plain
+    numbers, so a front end in another process checks requests before sending them)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    usable_blocks: int
+
+    def check(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raises when such a request could never run (so it would wait forever)."""
+        if n > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={n} parallel samples need {n} sequence slots but max_num_seqs is "
+                f"{self.max_num_seqs}: lower n or raise max_num_seqs"
+            )
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}: shorten the prompt (or set "
+                "truncate_prompt_tokens), lower max_tokens, or raise max_model_len"
+            )
+        blocks = -(-total // self.block_size)
+        usable = self.usable_blocks
+        if blocks > usable:
+            raise RequestTooLongError(
+                f"{total} tokens need {blocks} KV blocks but the pool has {usable}: lower "
+                "max_tokens or give the engine more KV memory"
+            )
 
 
 def _sequence_slots(request: EngineRequest) -> int:
@@ -124,27 +158,17 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.placeholder_stride = placeholder_stride
 
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            self.max_num_seqs,
+            self.max_model_len,
+            self.kv.block_size,
+            self.kv.block_pool.num_usable_blocks,
+        )
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
-        if n > self.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={n} parallel samples need {n} sequence slots but max_num_seqs is "
-                f"{self.max_num_seqs}: lower n or raise max_num_seqs"
-            )
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}: shorten the prompt (or set "
-                "truncate_prompt_tokens), lower max_tokens, or raise max_model_len"
-            )
-        blocks = -(-total // self.kv.block_size)
-        usable = self.kv.block_pool.num_usable_blocks
-        if blocks > usable:
-            raise RequestTooLongError(
-                f"{total} tokens need {blocks} KV blocks but the pool has {usable}: lower "
-                "max_tokens or give the engine more KV memory"
-            )
+        self.limits().check(num_prompt_tokens, max_tokens, n)
 
     def add_request(self, request: EngineRequest) -> None:
         self.check_fits(request.num_prompt_tokens, request.max_tokens, request.params.n)

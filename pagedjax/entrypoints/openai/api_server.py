@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from pagedjax import distributed
 from pagedjax.config import EngineConfig
 from pagedjax.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedjax.entrypoints.openai.protocol import (
@@ -266,7 +267,13 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        core = LLMEngine(EngineConfig.from_options(args.model, **engine_options(args)))
+        config = EngineConfig.from_options(args.model, **engine_options(args))
+        # The engine core in a process of its own unless asked not to, or over several hosts
+        # (each host's process is a whole engine there).
+        core_process = args.core_process and not distributed.joins_processes(
+            config.coordinator_address
+        )
+        core = LLMEngine(config, core_process=core_process)
         if not core.is_leader:  # another host's process: make process 0's device calls
             logger.info("process %d follows process 0's engine", jax.process_index())
             core.follow(until_stop=True)

@@ -18,7 +18,9 @@ tokens), so a step is the engine's host work alone: microseconds of CPU time per
 number that bounds a GPU's steps per second. Measured for the two output kinds that matter:
 CUMULATIVE (every running request gets an output each step, as `LLMEngine.step` callers
 stream) and FINAL_ONLY (what `LLM.generate` asks for), with one decode step per dispatch and
---multi-step of them (then also per token-step).
+--multi-step of them (then also per token-step). "core" is the engine core's part of a step
+(schedule, dispatch, update) plus packing its outputs for another process: what a step costs
+an engine core in a process of its own (`pagedjax serve`), the front end detokenizing beside it.
 
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
@@ -134,6 +136,7 @@ def host_only(args) -> None:
 
     import numpy as np
 
+    from pagedjax.engine_core_proc import pack_outputs
     from pagedjax.sampling_params import RequestOutputKind
     from pagedjax.worker import model_runner
 
@@ -186,6 +189,18 @@ def host_only(args) -> None:
         for _ in range(warm):
             engine.step()
         core = engine.engine_core
+        core_step, core_times = core.step, []
+
+        def timed_core_step(core_step=core_step, core_times=core_times):
+            """The engine core's part (schedule, dispatch, update) and the packing of its
+            outputs for another process: a step's cost to a core in a process of its own."""
+            start = time.thread_time()
+            outputs = core_step()
+            pack_outputs(outputs)
+            core_times.append(time.thread_time() - start)
+            return outputs
+
+        core.step = timed_core_step
         cpu_times, token_steps = [], core.num_model_steps
         for _ in range(steps):
             start = time.thread_time()  # CPU time: steadier than wall time on a shared VM
@@ -199,9 +214,12 @@ def host_only(args) -> None:
         result[f"{name}_us_per_step_median"] = 1e6 * median
         result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
         result[f"{name}_us_per_row_median"] = 1e6 * median / args.running
+        result[f"{name}_core_us_per_step_median"] = 1e6 * statistics.median(core_times)
         if num_steps > 1:
             result[f"{name}_token_steps_per_step"] = token_steps
             result[f"{name}_us_per_token_step_median"] = 1e6 * median / token_steps
+            core_median = statistics.median(core_times)
+            result[f"{name}_core_us_per_token_step_median"] = 1e6 * core_median / token_steps
         model_runner.sample, model_runner.decode_steps = real_sample, real_steps
         del llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)

@@ -189,10 +189,11 @@ class Scheduler:
         """Whether a request whose last token is still being sampled (the step in flight) waits
         for it instead of computing it now: penalties need the token's value on the host, and
         a request that reaches its length limit with it will not sample again."""
+        num_tokens = len(request.all_token_ids)
         return (
             request.needs_output_on_host
-            or request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
+            or num_tokens - request.num_prompt_tokens >= request.max_tokens
+            or num_tokens >= self.max_model_len
         )
 
     def _preempt(self, out: SchedulerOutput, candidates: list[EngineRequest]) -> EngineRequest:
@@ -384,6 +385,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Waiting requests in order while budget, sequence slots and blocks last; held
         requests are passed over."""
+        if not self.waiting:  # the steady state: no walk over the running requests
+            return
         slots_used = sum(_sequence_slots(r) for r in self.running)
         index = 0
         while index < len(self.waiting) and budget > 0:
@@ -473,7 +476,9 @@ class Scheduler:
                 out.forks.append((request, child))
                 samplers.append(child)
         for sampler in samplers:
-            bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
+            bias = _NO_BIAS
+            if sampler.params.min_tokens:
+                bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
             constraints = sampler.constraints
             if constraints is not None:
                 bias = {**bias, **constraints.banned(sampler.output_token_ids)}
@@ -571,6 +576,11 @@ class Scheduler:
                     at = (row, positions[row], steps, out.num_steps)
                     outputs.append(self._append_tokens(request, *at, result))
             return outputs
+        # Python lists: a row's token and flag read from them cost a fraction of numpy's
+        # scalar indexing, 256 times a step.
+        if not rows:
+            return outputs
+        tokens, finite = result.token_ids.tolist(), result.finite.tolist()
         while row < len(rows):
             request = rows[row]
             k = spec_rows.get(row) if spec_rows else None
@@ -581,7 +591,8 @@ class Scheduler:
                 row += k + 1
                 continue
             if not request.status.finished:
-                outputs.append(self._append_token(request, row, positions[row], result))
+                at = (row, positions[row], tokens[row], finite[row])
+                outputs.append(self._append_token(request, *at, result))
             row += 1
         return outputs
 
@@ -644,12 +655,18 @@ class Scheduler:
         )
 
     def _append_token(
-        self, request: EngineRequest, row: int, position: int, result: ModelRunnerOutput
+        self,
+        request: EngineRequest,
+        row: int,
+        position: int,
+        token: int,
+        finite: bool,
+        result: ModelRunnerOutput,
     ) -> EngineCoreOutput:
-        if not result.finite[row]:
+        """Row `row`'s sampled `token` in place of its placeholder at `position`."""
+        if not finite:
             self.finish(request, self._non_finite(request))
             return EngineCoreOutput(request.group_id, request.sample_index, status=request.status)
-        token = int(result.token_ids[row])
         request.all_token_ids[position] = token
         self.num_generated_tokens += 1
         status = self._check_stop(request, token, position + 1)

@@ -585,3 +585,17 @@ def test_a_copy_source_its_holders_leave_is_not_swapped_into_before_the_copy():
     manager.free(child)
     manager.pop_swaps()
     assert manager.block_pool.num_free_blocks == manager.block_pool.num_usable_blocks
+
+
+def test_block_tables_follow_the_managers_diffs_and_grow():
+    from pagedjax.worker.block_table import BlockTables
+
+    tables = BlockTables(num_rows=2, width=2)
+    rows = [tables.update(key, 0, [3 + key]) for key in range(3)]  # the third doubles the rows
+    assert rows == [0, 1, 2] and tables.rows.shape == (4, 2)
+    assert tables.update(0, 1, [5, 6]) == 0  # wider than the rows: they widen
+    assert tables.gather([0, 2], 4).tolist() == [[3, 5, 6, 0], [5, 0, 0, 0]]
+    tables.update(0, 1, [])  # a tail given back
+    assert tables.gather([0], 3).tolist() == [[3, 0, 0]]
+    tables.forget([2, "unknown"])
+    assert tables.update(7, 0, [9]) == 2 and tables.gather([2], 2).tolist() == [[9, 0]]

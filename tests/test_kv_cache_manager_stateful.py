@@ -30,6 +30,7 @@ from pagedjax.core import (
     Request,
     UnknownRequestError,
 )
+from pagedjax.worker.block_table import BlockTables
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary makes prefix hits and collisions frequent
 SALTS = st.sampled_from([None, None, None, "salt"])
@@ -58,6 +59,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.batch: dict[int, int] = {}  # request id -> tokens scheduled this step
         self.drafts: dict[int, list[int]] = {}  # speculative tokens in lookahead slots
         self.next_id = 0
+        self.tables = BlockTables(num_rows=2, width=2)  # small: they grow
 
     # ------------------------------------------------------------------ helpers
 
@@ -151,6 +153,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         for src, dst in self.manager.pop_block_copies():
             assert NULL_BLOCK_ID not in (src, dst)
             self.device[dst] = list(self.device.get(src, [None] * bs))
+        # The model runner's persistent tables, kept from the manager's diffs, equal each
+        # scheduled request's block table.
+        self.tables.forget(self.manager.pop_freed())
+        for rid in self.batch:
+            request = self.running[rid]
+            row = self.tables.update(rid, *self.manager.table_update(request))
+            ids = self.manager.get_block_ids(request)
+            table = self.tables.rows[row]
+            assert table[: len(ids)].tolist() == ids and not table[len(ids) :].any()
         for rid, num_new in self.batch.items():
             request = self.running[rid]
             table = self.manager.get_block_ids(request)

@@ -72,6 +72,8 @@ class _RequestBlocks:
     extra_keys: bytes
     blocks: list[KVCacheBlock] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # Leading block ids the model runner's copy of the table already holds (`table_update`).
+    synced: int = 0
     # Keys of the request's full blocks, extended incrementally as blocks fill.
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Leading blocks whose content is scheduled and that were offered to the prefix cache.
@@ -120,6 +122,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._freed: list[Hashable] = []  # requests freed since `pop_freed`
         self._held_copy_sources: list[KVCacheBlock] = []  # see `free`
         self.host_pool = HostBlockPool(num_host_blocks)
         self._swapped: dict[Hashable, _SwappedBlocks] = {}
@@ -381,6 +384,7 @@ class KVCacheManager:
         shared, private = state.blocks[cow_index], new_blocks[-1]
         state.blocks[cow_index] = private
         state.block_ids[cow_index] = private.block_id
+        state.synced = min(state.synced, cow_index)
         self._pending_copies.append((shared.block_id, private.block_id))
         self.block_pool.free_blocks((shared,))
         self._append_blocks(state, new_blocks[:-1])
@@ -436,6 +440,7 @@ class KVCacheManager:
         keep = -(-len(request.all_token_ids) // self.block_size)
         if len(state.blocks) > keep:
             tail = state.blocks[keep:]
+            state.synced = min(state.synced, keep)
             del state.blocks[keep:]
             del state.block_ids[keep:]
             self.block_pool.free_blocks(tail)
@@ -583,6 +588,7 @@ class KVCacheManager:
                 "passed to get_computed_blocks/fork); check has_request() first"
             )
         self.block_pool.free_blocks(reversed(state.blocks))
+        self._freed.append(request.request_id)
         if self._pending_copies:
             # A copy into a block nobody holds any more is moot (and the block may be reused).
             blocks = self.block_pool.blocks
@@ -606,6 +612,22 @@ class KVCacheManager:
     def get_blocks(self, request: KVCacheRequest) -> list[KVCacheBlock]:
         """The request's block objects (a copy of the list; do not mutate the blocks)."""
         return list(self._get_state(request).blocks)
+
+    def table_update(self, request: KVCacheRequest) -> tuple[int, Sequence[int]]:
+        """What the model runner's persistent copy of the request's table lacks: (start, the
+        block ids from start on); its table is those after its first `start` entries, nothing
+        past them. O(blocks changed): most decode steps send nothing."""
+        state = self._get_state(request)
+        start, block_ids = state.synced, state.block_ids
+        if start == len(block_ids):
+            return start, ()
+        state.synced = len(block_ids)
+        return start, block_ids[start:]
+
+    def pop_freed(self) -> list[Hashable]:
+        """The requests freed since the last call (their tables are forgotten)."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def get_block_ids(self, request: KVCacheRequest) -> list[int]:
         """The request's block table as block ids (a fresh list)."""

@@ -33,11 +33,15 @@ def is_placeholder(token: int) -> bool:
 
 @dataclass
 class ScheduledSequence:
-    """One sequence's share of a step: compute `token_ids` after its computed context."""
+    """One sequence's share of a step: compute `token_ids` after its computed context. Its
+    block table is the runner's persistent row for `request_id` with its entries from
+    `table_start` on replaced by `new_block_ids` (`KVCacheManager.table_update`)."""
 
     token_ids: Sequence[int]
     num_computed_tokens: int
-    block_ids: Sequence[int]
+    request_id: Any
+    table_start: int
+    new_block_ids: Sequence[int]
     # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
     prompt_logprob_targets: Sequence[int] = ()
     prompt_logprobs_offset: int = 0
@@ -78,6 +82,9 @@ class SchedulerOutput:
     swaps_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
     seqs: list[ScheduledSequence] = field(default_factory=list)  # one per scheduled request
+    # Requests whose blocks were freed since the last step that ran: the runner forgets their
+    # tables (before this step's updates: an id freed and admitted again starts afresh).
+    freed_request_ids: list = field(default_factory=list)
     rows: list[SampleRow] = field(default_factory=list)
     row_requests: list[EngineRequest] = field(default_factory=list)  # who samples each row
     row_positions: list[int] = field(default_factory=list)  # where each row's token goes

@@ -264,6 +264,8 @@ class Scheduler:
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
         for index, (request, num_new) in enumerate(out.scheduled):
             self._add_model_input(out, index, request, num_new)
+        if out.scheduled or out.swaps_out or out.swaps_in:  # a step that runs
+            out.freed_request_ids = self.kv.pop_freed()
         # The step's effects on the host are known now: the next schedule (async scheduling
         # runs it while this step is on the device) sees the tokens as computed, each sample
         # as a placeholder token, and the forked siblings as running.
@@ -463,7 +465,7 @@ class Scheduler:
         if drafts:
             self._add_draft_rows(out, index, request, tokens, drafts)
             return
-        seq = ScheduledSequence(tokens, start, self.kv.get_block_ids(request))
+        seq = ScheduledSequence(tokens, start, request.request_id, *self.kv.table_update(request))
         out.seqs.append(seq)
         if request.num_prompt_logprobs and request.skip_prefix_cache:
             self._ask_prompt_logprobs(out, request, seq)
@@ -509,7 +511,8 @@ class Scheduler:
         start = request.num_computed_tokens
         k = len(drafts)
         on_device = self._drafts_on_device
-        seq = ScheduledSequence(tokens + drafts, start, self.kv.get_block_ids(request))
+        table = self.kv.table_update(request)
+        seq = ScheduledSequence(tokens + drafts, start, request.request_id, *table)
         seq.num_model_drafts = k if on_device else 0
         out.seqs.append(seq)
         request.num_drafts_in_flight = k

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -51,6 +51,7 @@ from pagedjax.sampler import (
     sample,
 )
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.block_table import BlockTables
 from pagedjax.worker.device_steps import decode_steps, fixed_rows, forward_step, set_rows
 from pagedjax.worker.draft_model import (
     ChainInputs,
@@ -264,6 +265,8 @@ class ModelRunner:
         self._positions = np.zeros(max_tokens, np.int32)
         self._slots = np.full(max_tokens, PAD_SLOT, np.int32)
         self._tables = np.full((max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
+        # Each running request's block ids, kept across steps (`worker/block_table.py`).
+        self.block_tables = BlockTables(2 * max_seqs, self.width_buckets[0])
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
@@ -450,7 +453,12 @@ class ModelRunner:
         s_pad = min(t_pad, self.max_seqs_bucket)
         if len(seqs) > s_pad:
             raise ValueError(f"{len(seqs)} sequences exceed max_num_seqs {self.max_seqs_bucket}")
-        width = self._bucket_width(max(len(s.block_ids) for s in seqs))
+        # The sequences' rows of the persistent tables, brought up to date, in one gather.
+        update = self.block_tables.update
+        table_rows = [update(s.request_id, s.table_start, s.new_block_ids) for s in seqs]
+        most = max(s.table_start + len(s.new_block_ids) for s in seqs)
+        block_tables = self.block_tables.gather(table_rows, most)  # [len(seqs), most]
+        width = self._bucket_width(most)
         bs = self.block_size
         tokens, positions, slots = (
             self._tokens[:t_pad],
@@ -463,25 +471,22 @@ class ModelRunner:
         tokens[num_tokens:] = 0
         positions[num_tokens:] = 0
         tables.fill(NULL_BLOCK)
+        tables[: len(seqs), : block_tables.shape[1]] = block_tables
         seq_lens.fill(0)
         query_start.fill(num_tokens)
         # Gathered in Python lists and written with one numpy call each: most sequences are
         # decodes of one token, for which a numpy call per sequence costs more than the work.
-        step_tokens, step_positions, step_slots, ends, lens = [], [], [], [], []
+        step_tokens, step_positions, ends, lens = [], [], [], []
         end = 0
-        for i, seq in enumerate(seqs):
-            computed, block_ids, token_ids = seq.num_computed_tokens, seq.block_ids, seq.token_ids
+        for seq in seqs:
+            computed, token_ids = seq.num_computed_tokens, seq.token_ids
             q_len = len(token_ids)
             if q_len == 1:  # a decode: most sequences of most steps
                 step_tokens.append(token_ids[0])
                 step_positions.append(computed)
-                step_slots.append(block_ids[computed // bs] * bs + computed % bs)
             else:
-                new_positions = range(computed, computed + q_len)
                 step_tokens += token_ids
-                step_positions += new_positions
-                step_slots += [block_ids[p // bs] * bs + p % bs for p in new_positions]
-            tables[i, : len(block_ids)] = block_ids
+                step_positions += range(computed, computed + q_len)
             end += q_len
             ends.append(end)
             lens.append(computed + q_len)
@@ -495,7 +500,13 @@ class ModelRunner:
         sources = np.where(tokens < 0, -1 - tokens, -1).astype(np.int32)
         np.maximum(tokens, 0, out=tokens)
         positions[:num_tokens] = step_positions
-        slots[:num_tokens] = step_slots
+        # Each token's slot from its sequence's table row, for all tokens at once.
+        if num_tokens == len(seqs):  # one token per sequence
+            owner = np.arange(num_tokens)
+        else:
+            owner = np.repeat(np.arange(len(seqs)), np.diff(ends, prepend=0))
+        step = positions[:num_tokens]
+        slots[:num_tokens] = block_tables[owner, step // bs] * bs + step % bs
         seq_lens[: len(seqs)] = lens
         query_start[0] = 0
         query_start[1 : len(seqs) + 1] = ends
@@ -522,6 +533,7 @@ class ModelRunner:
     def execute(
         self,
         seqs: Sequence[ScheduledSequence],
+        freed_request_ids: Sequence[Hashable],
         rows: Sequence[SampleRow],
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
@@ -529,12 +541,15 @@ class ModelRunner:
         swaps: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] = ((), ()),
     ) -> ModelRunnerOutput:
         """Runs one step and waits for its result."""
-        handle = self.dispatch(seqs, rows, block_copies, num_prompt_logprobs, previous, swaps)
+        handle = self.dispatch(
+            seqs, freed_request_ids, rows, block_copies, num_prompt_logprobs, previous, swaps
+        )
         return handle.result()
 
     def dispatch(
         self,
         seqs: Sequence[ScheduledSequence],
+        freed_request_ids: Sequence[Hashable],
         rows: Sequence[SampleRow],
         block_copies: Sequence[tuple[int, int]] = (),
         num_prompt_logprobs: int | None = None,
@@ -548,6 +563,7 @@ class ModelRunner:
         the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
         ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device.
         num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r]."""
+        self.block_tables.forget(freed_request_ids)  # before the step's own updates
         self._swap(*swaps)
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)

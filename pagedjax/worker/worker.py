@@ -483,7 +483,8 @@ class Worker:
     def execute_model(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
         """Dispatches the step; the handle's `result()` waits for it. Placeholder tokens are
         `previous`'s samples."""
-        inputs = (out.seqs, out.rows, out.block_copies, out.num_prompt_logprobs)
+        inputs = (out.seqs, out.freed_request_ids, out.rows, out.block_copies)
+        inputs += (out.num_prompt_logprobs,)
         swaps, steps = (out.swaps_out, out.swaps_in), (out.num_steps, out.row_steps)
         self._publish("step", (*inputs, previous is not None, swaps, steps))
         return self.runner.dispatch(*inputs, previous, swaps, *steps)

@@ -215,9 +215,10 @@ class AsyncLLM:
         streams: dict[str, _Stream] = {}
         try:
             while self._serve_commands(streams):
-                if self.engine.has_unfinished_requests():
-                    self._send(streams, self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # Before the outputs: a caller that sees its request finish sees its blocks freed.
                 self._publish_stats()
+                self._send(streams, outputs)
         except BaseException as error:  # noqa: BLE001  (kept and raised to every caller)
             logger.exception("the engine loop stopped")
             self.dead_error = error

@@ -20,6 +20,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     parser.add_argument("--kv-cache-dtype", default=None, help="auto, bfloat16, fp8, ...")
+    parser.add_argument("--dtype", default=None, help="auto (the checkpoint's on a GPU), ...")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, help="the card's share (0.9)"
+    )
     _add_kv_scale_args(parser)
     _add_parallel_args(parser)
     _add_speculative_args(parser)
@@ -96,6 +100,8 @@ def _make_llm(args: argparse.Namespace):
     from pagedjax.llm import LLM
 
     names = (
+        "dtype",
+        "gpu_memory_utilization",
         "kv_cache_dtype",
         "calculate_kv_scales",
         "kv_cache_scales",

@@ -33,7 +33,7 @@ from pagedjax.errors import DuplicateRequestIdError, EngineSleepingError, Invali
 from pagedjax.inputs import Prompt, PromptType, parse_prompt
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
-from pagedjax.platforms import current_platform
+from pagedjax.platforms import current_platform, reserve_device_memory
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.weight_sync import as_params
 from pagedjax.worker.worker import Worker
@@ -96,6 +96,7 @@ class LLMEngine:
     ) -> EngineConfig:
         """Builds the workers and engine cores in this process; returns the config as the
         workers resolved it."""
+        reserve_device_memory(config.gpu_memory_utilization)  # before JAX starts a backend
         # Processes join before JAX touches a device; then the leader schedules.
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         self.channel = StepChannel() if jax.process_count() > 1 else None

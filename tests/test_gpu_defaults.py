@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from pagedjax.platforms.cpu import cpu_platform
 from pagedjax.platforms.gpu import GpuPlatform
 from pagedjax.platforms.memory import (
     allocator_fraction,
+    fraction_to_set,
     gpu_kv_budget,
     sampler_reserve_bytes,
 )
@@ -252,6 +256,55 @@ def test_the_allocator_fraction_is_read_as_jaxlib_reads_it():
     assert allocator_fraction({}) == 0.75
     assert allocator_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == 0.9
     assert allocator_fraction({"XLA_CLIENT_MEM_FRACTION": "0.5"}) == 0.5
+
+
+def test_gpu_memory_utilization_becomes_the_allocators_fraction_unless_the_user_set_one():
+    assert fraction_to_set({}, 0.9) == "0.9"
+    assert allocator_fraction({"XLA_CLIENT_MEM_FRACTION": fraction_to_set({}, 0.93)}) == 0.93
+    assert fraction_to_set({"XLA_CLIENT_MEM_FRACTION": "0.5"}, 0.9) is None
+    assert fraction_to_set({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}, 0.9) is None
+
+
+RESERVE_THEN_START = """
+import os, jax
+from pagedjax.platforms import reserve_device_memory
+reserve_device_memory(0.93)
+jax.devices()  # the backends start: a GPU's allocator would take what the variable says
+reserve_device_memory(0.5)  # too late to change it: nothing happens
+print(os.environ.get("XLA_CLIENT_MEM_FRACTION"))
+"""
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({}, "0.93"), ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}, "None")],
+    ids=["unset", "user-set"],
+)
+def test_the_fraction_is_set_before_the_backends_start_and_only_then(env, expected):
+    """In a fresh interpreter, as the engine does it before it asks JAX for a device."""
+    environ = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k}
+    got = subprocess.run(
+        [sys.executable, "-c", RESERVE_THEN_START],
+        env={**environ, **env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[-1]
+    assert got == expected
+
+
+def test_the_engine_reserves_the_card_before_it_asks_for_a_platform(tiny, monkeypatch):
+    path, _, config, params = tiny("llama")
+    calls = []
+    monkeypatch.setattr(
+        pagedjax.engine, "reserve_device_memory", lambda u: calls.append(("reserve", u))
+    )
+    real = pagedjax.engine.current_platform
+    monkeypatch.setattr(
+        pagedjax.engine, "current_platform", lambda: calls.append(("platform",)) or real()
+    )
+    engine_on(None, monkeypatch, path, config, params, gpu_memory_utilization=0.85).shutdown()
+    assert calls[:2] == [("reserve", 0.85), ("platform",)]
 
 
 def test_the_gpu_platform_budgets_from_its_memory_stats(monkeypatch, caplog):

@@ -10,6 +10,8 @@ dense training forward's).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,12 +21,15 @@ import jax
 from kernels_pallas.kv_cache import KV_LAYOUT
 from models.training import XLA_KERNELS, DenseKernels
 from pagedjax.attention import get_backend
+from pagedjax.platforms.memory import fraction_to_set
 
 if TYPE_CHECKING:
     from kernels_pallas.backend import AttentionBackend, AttentionSpec
     from models.llama import Params
     from pagedjax.config import EngineConfig
     from pagedjax.sampler import SamplingKernels
+
+logger = logging.getLogger(__name__)
 
 # KV budget where the device reports no memory statistics (the CPU's RAM is shared with
 # everything else, so the default stays modest; set kv_cache_memory_bytes for more).
@@ -121,6 +126,19 @@ class Platform:
         """One device's bytes for the KV pool when the config gives neither blocks nor bytes
         (`device`: the engine's first; every device of a tensor-parallel group holds the same)."""
         return DEFAULT_KV_BYTES
+
+
+def reserve_device_memory(utilization: float) -> None:
+    """Lets JAX's GPU allocator take `utilization` of the card (gpu_memory_utilization) by
+    setting its fraction before JAX starts its backends, unless the user set one. Once they
+    have started the allocator's limit is fixed: it then caps the KV budget, which says so."""
+    from jax._src import xla_bridge  # the one way to ask whether the backends have started
+
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)
+    value = None if started() else fraction_to_set(os.environ, utilization)
+    if value is not None:
+        os.environ["XLA_CLIENT_MEM_FRACTION"] = value
+        logger.info("XLA_CLIENT_MEM_FRACTION=%s (gpu_memory_utilization)", value)
 
 
 def current_platform() -> Platform:

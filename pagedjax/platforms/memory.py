@@ -27,6 +27,15 @@ def allocator_fraction(environ: Mapping[str, str]) -> float:
     return float(value) if value else DEFAULT_ALLOCATOR_FRACTION
 
 
+def fraction_to_set(environ: Mapping[str, str], utilization: float) -> str | None:
+    """The `XLA_CLIENT_MEM_FRACTION` that lets JAX's GPU allocator take gpu_memory_utilization
+    of the card, as vLLM's option means, rather than its default 0.75; None where the user
+    set a fraction (theirs stands, and caps the budget)."""
+    if environ.get("XLA_CLIENT_MEM_FRACTION") or environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        return None
+    return f"{utilization:g}"
+
+
 def sampler_reserve_bytes(num_rows: int, vocab_size: int) -> int:
     """Device memory the sampler needs for a step of `num_rows` sampled rows."""
     return SAMPLER_LOGITS_COPIES * num_rows * vocab_size * 4

@@ -118,6 +118,7 @@ def save_random_llama(
     num_kv_heads: int = 2,
     dtype: str = "float32",
     chat_template: bool = True,
+    max_shard_size: str | None = None,
 ) -> Path:
     """A random-weight Llama saved at `path` with the tests' word-level tokenizer (text "w5 w9"
     is ids [5, 9]): the defaults are a model whose device work is negligible, for host-cost
@@ -157,7 +158,8 @@ def save_random_llama(
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
-    model.save_pretrained(path, safe_serialization=True)
+    shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, safe_serialization=True, **shards)
     tokenizer = build_tiny_tokenizer(vocab_size)
     if chat_template:  # words the tokenizer does not know become one id each
         tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

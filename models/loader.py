@@ -89,11 +89,29 @@ def params_from_hf_tensors(
 def _stack_params(
     config: ModelConfig, get: TensorGetter, dtype: jnp.dtype, blocks: dict, on_host: bool
 ) -> Params:
+    """One weight at a time: its layers stacked into a host buffer of `dtype` (a bf16
+    checkpoint run in bf16 is never widened to float32), then sent to the device before the
+    next is read, so the host holds at most one stacked weight besides the files' pages."""
     L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
     Q, KV = config.q_size, config.kv_size
+    host_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes' numpy type
+    to_array = np.asarray if on_host else jnp.asarray
 
-    def stacked(shape: tuple[int, ...]) -> np.ndarray:
-        return np.empty((L, *shape), np.float32)
+    def stacked(shape: tuple[int, ...], layer: Callable[[str], np.ndarray]) -> jax.Array:
+        buffer = np.empty((L, *shape), host_dtype)
+        for i in range(L):
+            buffer[i] = layer(f"model.layers.{i}.")
+        return to_array(buffer)
+
+    def fused(parts: tuple[str, ...], width: int) -> Callable[[str], np.ndarray]:
+        def layer(p: str) -> np.ndarray:
+            ws = [get(f"{p}{part}.weight").T for part in parts]
+            if sum(w.shape[1] for w in ws) != width:  # would leave columns unset
+                columns = sum(w.shape[1] for w in ws)
+                raise ValueError(f"{p}{'+'.join(parts)}: {columns} outputs, not {width}")
+            return np.concatenate(ws, axis=1) if len(ws) > 1 else ws[0]
+
+        return layer
 
     matmul_shapes = {
         "wqkv": (H, Q + 2 * KV),
@@ -106,48 +124,37 @@ def _stack_params(
         if kept.scales.shape[-2:] != (n, k // 32):
             rows, inputs = kept.scales.shape[-2], kept.scales.shape[-1] * 32
             raise ValueError(f"{name} is {rows} x {inputs} block codes, not {n} x {k}")
-    matmuls = {name: parts for name, parts in FUSED_MATMULS.items() if name not in blocks}
-    layers = {"attn_norm": stacked((H,)), "mlp_norm": stacked((H,))}
-    layers.update({name: stacked(matmul_shapes[name]) for name in matmuls})
+    layers = {
+        "attn_norm": stacked((H,), lambda p: get(p + "input_layernorm.weight")),
+        "mlp_norm": stacked((H,), lambda p: get(p + "post_attention_layernorm.weight")),
+    }
+    for name, parts in FUSED_MATMULS.items():
+        shape = matmul_shapes[name]
+        layers[name] = blocks[name] if name in blocks else stacked(shape, fused(parts, shape[1]))
     if config.attention_bias:
-        layers["bqkv"] = stacked((Q + 2 * KV,))
+        qkv = FUSED_MATMULS["wqkv"]
+        layers["bqkv"] = stacked(
+            (Q + 2 * KV,), lambda p: np.concatenate([get(f"{p}{q}.bias") for q in qkv])
+        )
     if config.qk_norm:
-        layers["q_norm"] = stacked((config.head_dim,))
-        layers["k_norm"] = stacked((config.head_dim,))
+        layers["q_norm"] = stacked((config.head_dim,), lambda p: get(p + "self_attn.q_norm.weight"))
+        layers["k_norm"] = stacked((config.head_dim,), lambda p: get(p + "self_attn.k_norm.weight"))
 
-    for i in range(L):
-        p = f"model.layers.{i}."
-        layers["attn_norm"][i] = get(p + "input_layernorm.weight")
-        layers["mlp_norm"][i] = get(p + "post_attention_layernorm.weight")
-        for name, parts in matmuls.items():
-            column = 0
-            for part in parts:
-                w = get(f"{p}{part}.weight").T
-                layers[name][i, :, column : column + w.shape[1]] = w
-                column += w.shape[1]
-            if column != layers[name].shape[2]:  # too narrow: would leave columns unset
-                raise ValueError(
-                    f"{p}{'+'.join(parts)}: {column} outputs, not {layers[name].shape[2]}"
-                )
-        if config.attention_bias:
-            layers["bqkv"][i] = np.concatenate([get(f"{p}{q}.bias") for q in FUSED_MATMULS["wqkv"]])
-        if config.qk_norm:
-            layers["q_norm"][i] = get(p + "self_attn.q_norm.weight")
-            layers["k_norm"][i] = get(p + "self_attn.k_norm.weight")
+    def single(name: str, transpose: bool = False) -> jax.Array:
+        w = get(name)
+        return to_array(np.ascontiguousarray(w.T if transpose else w, dtype=host_dtype))
 
-    params: Params = {"layers": layers, "final_norm": get("model.norm.weight")}
+    params: Params = {"layers": layers, "final_norm": single("model.norm.weight")}
     # Tied embeddings kept as block codes serve the lookups too (QuantizedLinear.take_columns).
     if not (config.tie_word_embeddings and "lm_head" in blocks):
-        params["embed"] = get("model.embed_tokens.weight")
+        params["embed"] = single("model.embed_tokens.weight")
         embed_shape = (config.vocab_size, config.hidden_size)
         if params["embed"].shape != embed_shape:
             raise ValueError(f"embeddings are {params['embed'].shape}, expected {embed_shape}")
-    if not config.tie_word_embeddings and "lm_head" not in blocks:
-        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    to_array = np.asarray if on_host else jnp.asarray
-    params = jax.tree.map(lambda a: to_array(a, dtype=dtype), params)
-    for name, kept in blocks.items():
-        (params if name == "lm_head" else params["layers"])[name] = kept
+    if "lm_head" in blocks:
+        params["lm_head"] = blocks["lm_head"]
+    elif not config.tie_word_embeddings:
+        params["lm_head"] = single("lm_head.weight", transpose=True)
     return params
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,6 +15,8 @@ from models.config import SUPPORTED_ARCHITECTURES
 from models.errors import ModelLoadError, UnsupportedArchitectureError
 from models.loader import load_model
 from tests.conftest import build_tiny_hf_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +111,21 @@ def test_unsupported_rope_scaling(saved_llama, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="yarn"):
         load_model(path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc")
+def test_a_bf16_checkpoint_loads_in_bf16_without_a_float32_copy_on_the_host():
+    """Peak RSS growth while loading a sharded bf16 checkpoint in bf16 (a fresh process): the
+    files' mapped pages, the CPU device's copy, one stacked weight at a time and the
+    allocators' slack: 3.1x measured. Stacking every layer in float32 first, as the loader
+    did, took 4.6-4.9x."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from load_memory import measure, save_checkpoint
+
+    model = save_checkpoint(hidden=512, layers=6, vocab_size=2048)
+    files = list(model.glob("*.safetensors"))
+    checkpoint = sum(f.stat().st_size for f in files)
+    assert len(files) > 1
+    got = measure(model, ROOT)
+    assert got["dtypes"] == ["bfloat16"]
+    assert got["peak_growth"] < 3.6 * checkpoint, got["peak_growth"] / checkpoint

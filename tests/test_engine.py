@@ -14,6 +14,7 @@ from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
 from pagedjax.sampler import sample
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
+from pagedjax.worker.model_runner import BatchSampling
 from tests.conftest import build_tiny_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -551,11 +552,12 @@ def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
     runner = engine.engine_core.worker.runner
     built, reused = runner._sampling_metadata, []
 
-    def checked(rows, r_pad, token_mask=None, draft_ids=None):
+    def checked(rows, batch, token_mask=None, draft_ids=None):
         before = runner._last_sampling
-        meta = built(rows, r_pad, token_mask, draft_ids)
+        meta = built(rows, batch, token_mask, draft_ids)
         reused.append(before is not None and runner._last_sampling is before)
-        full = runner.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
+        full = runner.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
+        assert batch == BatchSampling.of(batch.key, [r.params for r in rows])  # flags too
         for field in dataclasses.fields(full):
             want, got = getattr(full, field.name), getattr(meta, field.name)
             assert (want is None and got is None) or np.array_equal(want, got), field.name

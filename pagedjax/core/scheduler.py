@@ -137,6 +137,8 @@ class Scheduler:
         # In policy order, except that preempted requests re-enter at the front.
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []  # in policy order from each step's start
+        # Whether `running` is in policy order: only an append can break it (keys never change).
+        self._running_sorted = True
         self.requests: dict[str, EngineRequest] = {}  # unfinished user requests' parents
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions by swap (the others recompute)
@@ -277,11 +279,13 @@ class Scheduler:
         for parent, child in out.forks:
             parent.children.append(child)
             self._share_blocks(parent, child)
+        positions = out.row_positions
         for row, sampler in enumerate(out.row_requests):
-            out.row_positions.append(len(sampler.all_token_ids))
+            tokens = sampler.all_token_ids
+            positions.append(len(tokens))
             if sampler.num_drafts_in_flight:
                 continue  # how many tokens it gets is known only from the step's verdict
-            sampler.all_token_ids.append(placeholder_token(row))
+            tokens.append(placeholder_token(row))
             sampler.held = sampler.hold_samples
         return out
 
@@ -344,7 +348,9 @@ class Scheduler:
         """Running requests first, in policy order (arrival order among equals: sort is
         stable); returns the budget left."""
         running = self.running
-        running.sort(key=self.policy.sort_key)
+        if not self._running_sorted:
+            running.sort(key=self.policy.sort_key)
+            self._running_sorted = True
         threshold, speculating = self.long_prefill_token_threshold, self._speculating
         index = 0
         while index < len(running) and budget > 0:
@@ -409,6 +415,7 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._running_sorted = False
             out.scheduled.append((request, num_new))
             budget -= num_new
             slots_used += _sequence_slots(request)
@@ -471,32 +478,45 @@ class Scheduler:
             self._ask_prompt_logprobs(out, request, seq)
         if start + num_new < len(all_tokens):
             return  # a prefill chunk that does not reach the end: nothing to sample
-        samplers = [request]
-        if request.sample_index == 0 and len(all_tokens) == request.num_prompt_tokens:
-            for i in range(1, request.params.n):  # its first sample: the siblings fork
-                child = request.make_child(i)
-                out.forks.append((request, child))
-                samplers.append(child)
-        for sampler in samplers:
-            bias = _NO_BIAS
-            if sampler.params.min_tokens:
-                bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
-            constraints = sampler.constraints
-            if constraints is not None:
-                bias = {**bias, **constraints.banned(sampler.output_token_ids)}
-            out.rows.append(
-                SampleRow(
-                    index,
-                    sampler.params,
-                    sampler.all_token_ids,
-                    sampler.num_prompt_tokens,
-                    sampler.seed,
-                    bias,
-                    num_tokens=len(sampler.all_token_ids),
-                    constraints=constraints,
-                )
+        params = request.params
+        if params.min_tokens or request.constraints is not None or params.n > 1:
+            samplers = [request]
+            if request.sample_index == 0 and len(all_tokens) == request.num_prompt_tokens:
+                for i in range(1, params.n):  # its first sample: the siblings fork
+                    child = request.make_child(i)
+                    out.forks.append((request, child))
+                    samplers.append(child)
+            for sampler in samplers:
+                self._add_sample_row(out, index, sampler)
+            return
+        # The common row, built inline: 256 times a step.
+        seed = request.seed
+        num_prompt = request.num_prompt_tokens
+        row = SampleRow(index, params, all_tokens, num_prompt, seed, _NO_BIAS, len(all_tokens))
+        out.rows.append(row)
+        out.row_requests.append(request)
+
+    @staticmethod
+    def _add_sample_row(out: SchedulerOutput, index: int, sampler: EngineRequest) -> None:
+        bias = _NO_BIAS
+        if sampler.params.min_tokens:
+            bias = _min_tokens_bias(sampler, sampler.num_output_tokens)
+        constraints = sampler.constraints
+        if constraints is not None:
+            bias = {**bias, **constraints.banned(sampler.output_token_ids)}
+        out.rows.append(
+            SampleRow(
+                index,
+                sampler.params,
+                sampler.all_token_ids,
+                sampler.num_prompt_tokens,
+                sampler.seed,
+                bias,
+                num_tokens=len(sampler.all_token_ids),
+                constraints=constraints,
             )
-            out.row_requests.append(sampler)
+        )
+        out.row_requests.append(sampler)
 
     def _add_draft_rows(
         self,
@@ -584,6 +604,8 @@ class Scheduler:
         if not rows:
             return outputs
         tokens, finite = result.token_ids.tolist(), result.finite.tolist()
+        logprobs, max_model_len = result.logprobs, self.max_model_len
+        num_plain = 0
         while row < len(rows):
             request = rows[row]
             k = spec_rows.get(row) if spec_rows else None
@@ -594,9 +616,31 @@ class Scheduler:
                 row += k + 1
                 continue
             if not request.status.finished:
-                at = (row, positions[row], tokens[row], finite[row])
-                outputs.append(self._append_token(request, *at, result))
+                token, position = tokens[row], positions[row]
+                if (  # nothing can end it: the common row, 256 times a step
+                    finite[row]
+                    and request.constraints is None
+                    and token not in request.stop_token_ids
+                    and position + 1 - request.num_prompt_tokens < request.max_tokens
+                    and position + 1 < max_model_len
+                ):
+                    request.all_token_ids[position] = token
+                    num_plain += 1
+                    outputs.append(
+                        EngineCoreOutput(
+                            request.group_id,
+                            request.sample_index,
+                            [token],
+                            logprobs,
+                            row,
+                            num_cached_tokens=request.num_cached_tokens,
+                        )
+                    )
+                else:
+                    at = (row, position, token, finite[row])
+                    outputs.append(self._append_token(request, *at, result))
             row += 1
+        self.num_generated_tokens += num_plain
         return outputs
 
     def _append_verified(
@@ -735,6 +779,7 @@ class Scheduler:
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+        self._running_sorted = False
 
     def fork_request(self, parent: EngineRequest, child: EngineRequest) -> None:
         """Adds `child`, a user request of its own holding `parent`'s tokens but a different

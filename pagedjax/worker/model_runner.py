@@ -184,6 +184,38 @@ def _greedy_metadata(num_rows: int) -> SamplingMetadata:
     )
 
 
+@dataclass(frozen=True)
+class BatchSampling:
+    """What a step's sample rows ask of the sampler, from their params: worked out once per
+    batch and kept while the batch is steady (`key`: r_pad, then each row's params and seed)."""
+
+    key: list
+    use_penalties: bool
+    use_truncation: bool
+    all_greedy: bool
+    num_logprobs: int | None
+
+    @staticmethod
+    def of(key: list, params: list[SamplingParams]) -> BatchSampling:
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return BatchSampling(
+            key,
+            needs_penalties(params),
+            needs_truncation(params),
+            all(p.greedy for p in params),
+            max(wanted) if wanted else None,
+        )
+
+    def flags(self) -> dict:
+        """The sampler's keyword arguments."""
+        return dict(
+            use_penalties=self.use_penalties,
+            use_truncation=self.use_truncation,
+            all_greedy=self.all_greedy,
+            num_logprobs=self.num_logprobs,
+        )
+
+
 def _logits_rows(
     seqs: Sequence[ScheduledSequence], rows: Sequence[SampleRow]
 ) -> tuple[list[int], list[int], list[int]]:
@@ -272,7 +304,8 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
         # The last step's sampling arrays and what they were built from (`_sampling_metadata`).
-        self._last_sampling: tuple[list, SamplingMetadata] | None = None
+        self._last_sampling: tuple[BatchSampling, SamplingMetadata] | None = None
+        self._last_batch: BatchSampling | None = None  # the last step's (`_batch_sampling`)
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._place(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
@@ -637,18 +670,14 @@ class ModelRunner:
         )
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
-        params = [r.params for r in rows]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        batch = self._batch_sampling(rows, r_pad)
         # A row with a token mask takes one step: its mask is that step's.
         token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
         tokens_out, finite, logprobs = self._decode_steps(
             (tokens, sources, self._previous(previous), positions, metadata, copies, limits),
-            self._sampling_metadata(rows, r_pad, token_mask),
+            self._sampling_metadata(rows, batch, token_mask),
             num_steps,
-            use_truncation=needs_truncation(params),
-            all_greedy=all(p.greedy for p in params),
-            num_logprobs=max(wanted) if wanted else None,
-            use_penalties=needs_penalties(params),
+            **batch.flags(),
         )
         return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0)
 
@@ -753,48 +782,47 @@ class ModelRunner:
             logits = self._run_processors(logits, rows)
         # Built while the forward runs on the device.
         token_mask = self.masks.fill(constraints, r_pad)
-        params = [r.params for r in rows]
+        batch = self._batch_sampling(rows, r_pad)
         draft_ids = [r.draft_token for r in rows]
         draft_ids = draft_ids if any(d >= 0 for d in draft_ids) or drafted else None
-        meta = self._sampling_metadata(rows, r_pad, token_mask, draft_ids)
+        meta = self._sampling_metadata(rows, batch, token_mask, draft_ids)
         if drafted:
             k = self.draft.num_speculative_tokens
             index = verify_index(drafted, [(r.seq_index, r.offset) for r in rows], k, r_pad)
             meta = replace(meta, draft_token_ids=verified_drafts(drafts, index))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        num_logprobs = max(wanted) if wanted else None
-        out = sample(
-            logits,
-            meta,
-            self.sampling,
-            num_logprobs=num_logprobs,
-            use_penalties=needs_penalties(params),
-            use_truncation=needs_truncation(params),
-            all_greedy=all(p.greedy for p in params),
-        )
-        return out, num_logprobs
+        out = sample(logits, meta, self.sampling, **batch.flags())
+        return out, batch.num_logprobs
+
+    def _batch_sampling(self, rows: Sequence[SampleRow], r_pad: int) -> BatchSampling:
+        """What the rows ask of the sampler: the last step's answer while the batch is
+        steady (the same params and seeds in the same order), else worked out again."""
+        key = [r_pad, *(r.params for r in rows), *(r.seed for r in rows)]
+        last = self._last_batch
+        if last is None or last.key != key:
+            last = self._last_batch = BatchSampling.of(key, [r.params for r in rows])
+        return last
 
     def _sampling_metadata(
         self,
         rows: Sequence[SampleRow],
-        r_pad: int,
+        batch: BatchSampling,
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
     ) -> SamplingMetadata:
         """The rows' sampling arrays. A steady decode batch (the same requests in the same
         order, with neither per-step biases, penalties, masks nor drafts) reuses the last
         step's and builds only the draw counters."""
-        key = [r_pad, *(r.params for r in rows), *(r.seed for r in rows)]
+        r_pad = batch.key[0]
         plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
         last = self._last_sampling
-        if plain and last is not None and last[0] == key:
+        if plain and last is not None and last[0] is batch:
             steps = np.zeros(r_pad, np.int32)
             steps[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
             return replace(last[1], steps=steps)
         meta = self.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
         # Penalties read the histories, which change every step: those are always built.
-        reusable = plain and not needs_penalties([r.params for r in rows])
-        self._last_sampling = (key, meta) if reusable else None
+        reusable = plain and not batch.use_penalties
+        self._last_sampling = (batch, meta) if reusable else None
         return meta
 
     def build_sampling_metadata(

@@ -21,6 +21,9 @@ stream) and FINAL_ONLY (what `LLM.generate` asks for), with one decode step per 
 --multi-step of them (then also per token-step). "core" is the engine core's part of a step
 (schedule, dispatch, update) plus packing its outputs for another process: what a step costs
 an engine core in a process of its own (`pagedjax serve`), the front end detokenizing beside it.
+"final_only_greedy": FINAL_ONLY greedy requests without a stop string (K = 1). Each run also
+reports its phases' medians (`time_phases`): schedule, dispatch (of which input preparation
+and the sampling arrays), update, outputs.
 
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
@@ -50,17 +53,17 @@ from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the scr
 from workloads import kv_blocks, make_prompts, save_random_llama  # noqa: E402
 
 
-def start_requests(llm, running: int, max_tokens: int, **params) -> None:
+def start_requests(llm, running: int, max_tokens: int, greedy: bool = False, **params) -> None:
     """Adds `running` seeded top-p requests with a stop string (a per-row host path, not greedy
-    only) and steps until every one is prefilled and has sampled a token."""
+    only; `greedy`: greedy ones without, as `LLM.generate` users often ask) and steps until
+    every one is prefilled and has sampled a token."""
     from pagedjax.sampling_params import SamplingParams
 
     engine = llm.llm_engine
+    sampled = dict(temperature=0.8, top_p=0.9, stop=["\n\n\n"])
     for i, prompt in enumerate(make_prompts(llm.get_tokenizer(), running)):
         sampling = SamplingParams(
-            temperature=0.8,
-            top_p=0.9,
-            stop=["\n\n\n"],
+            **(dict(temperature=0.0) if greedy else sampled),
             seed=i,
             max_tokens=max_tokens,
             ignore_eos=True,
@@ -131,6 +134,34 @@ def on_device(args) -> None:
     )
 
 
+def time_phases(engine) -> dict[str, list[float]]:
+    """Times each part of the engine's steps from now on (CPU seconds, per step): the
+    scheduler, the worker's dispatch (input preparation and sampling arrays within it), the
+    scheduler's update from the results, and the output processor."""
+    core = engine.engine_core
+    runner = core.worker.runner
+    phases: dict[str, list[float]] = {}
+    parts = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.worker, "execute_model", "dispatch"),
+        (runner, "prepare", "dispatch_prepare"),
+        (runner, "_sample", "dispatch_sample"),
+        (core.scheduler, "update_from_output", "update"),
+        (engine.output_processor, "process_outputs", "outputs"),
+    ]
+    for owner, attribute, phase in parts:
+        function, times = getattr(owner, attribute), phases.setdefault(phase, [])
+
+        def timed(*args, function=function, times=times, **kwargs):
+            start = time.thread_time()
+            value = function(*args, **kwargs)
+            times.append(time.thread_time() - start)
+            return value
+
+        setattr(owner, attribute, timed)
+    return phases
+
+
 def host_only(args) -> None:
     import types
 
@@ -167,8 +198,10 @@ def host_only(args) -> None:
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
-    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
-    for num_steps, kind in [(k, kind) for k in sorted({1, args.multi_step}) for kind in kinds]:
+    kinds = [(RequestOutputKind.CUMULATIVE, False), (RequestOutputKind.FINAL_ONLY, False)]
+    runs = [(k, kind, False) for k in sorted({1, args.multi_step}) for kind, _ in kinds]
+    runs.append((1, RequestOutputKind.FINAL_ONLY, True))  # greedy, no stop string
+    for num_steps, kind, greedy in runs:
         # A large budget prefills everyone in a few steps, so all requests start level and
         # run to the end of the measured steps within 384 tokens.
         llm = make_llm(
@@ -185,7 +218,7 @@ def host_only(args) -> None:
         engine.engine_core.worker.runner._forward = no_forward
         # As many tokens per row as one step per dispatch: fewer dispatches of several.
         warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
-        start_requests(llm, args.running, warm_steps + args.steps + 16, output_kind=kind)
+        start_requests(llm, args.running, warm_steps + args.steps + 16, greedy, output_kind=kind)
         for _ in range(warm):
             engine.step()
         core = engine.engine_core
@@ -201,6 +234,7 @@ def host_only(args) -> None:
             return outputs
 
         core.step = timed_core_step
+        phases = time_phases(engine)
         cpu_times, token_steps = [], core.num_model_steps
         for _ in range(steps):
             start = time.thread_time()  # CPU time: steadier than wall time on a shared VM
@@ -210,7 +244,12 @@ def host_only(args) -> None:
         assert len(core.scheduler.running) == args.running, "a request ended early"
         assert core.scheduler.num_preemptions == 0
         name = kind.name.lower() if num_steps == 1 else f"k{num_steps}_{kind.name.lower()}"
+        name += "_greedy" if greedy else ""
         median = statistics.median(cpu_times)
+        for phase, times in phases.items():
+            if not times:  # a part the run never takes (K > 1 samples in its loop)
+                continue
+            result[f"{name}_{phase}_us_median"] = 1e6 * statistics.median(times)
         result[f"{name}_us_per_step_median"] = 1e6 * median
         result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
         result[f"{name}_us_per_row_median"] = 1e6 * median / args.running

@@ -6,7 +6,9 @@ the XLA (pure jnp) reference, in one run, on one device.
 
 Decode batches (batch x context) 1x32k, 16x4k, 64x2k, 256x1k with 32 query heads, 8 KV heads,
 head_dim 128, bf16 (and fp8 for our kernel), page size 16; plus a mixed step of prefill chunks
-and decode tokens. For each: median time per call, achieved KV bandwidth (unique KV bytes of
+and decode tokens, and one with a 32k-token decode row among them (the kernels route a mixed
+step's long decode rows to split-K; "pallas_ragged_long_rows_unsplit" keeps them in the ragged
+kernel, as before). For each: median time per call, achieved KV bandwidth (unique KV bytes of
 the visible context / time) and its fraction of a measured device copy bandwidth. Prints a
 table and writes DIR/kernels.json. Needs a GPU; each measurement is guarded so one failure
 (e.g. a peer that rejects a shape) is recorded and the rest still run.
@@ -55,6 +57,8 @@ LAYER = 1  # not layer 0: the kernels must index the stacked pool
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 2048), (256, 1024)]
 # Mixed step: (q_len, context) per sequence: prefill chunks and decode tokens.
 MIXED_STEP = [(512, 2048), (512, 1024), (256, 256)] + [(1, 2048)] * 61
+# A long conversation's decode row sharing a step with prefill chunks and shorter decodes.
+MIXED_LONG_STEP = [(512, 2048), (256, 256), (1, 32768)] + [(1, 1024)] * 8
 # Tilings besides the defaults, timed on the bf16 cases to choose the next defaults from:
 # num_stages 3 streams tile t + 1 while tile t is consumed (docs/kernels.md), at the cost of
 # a second K and V buffer of shared memory.
@@ -343,6 +347,14 @@ def run_case(
                     v_scale=k_scale, **configs,
                 )
             )  # fmt: skip
+    if with_peers and not decode:  # as before: every row of a mixed step in the ragged kernel
+        no_split = DecodeConfig(mixed_long_rows=0)
+        candidates["pallas_ragged_long_rows_unsplit"] = jax.jit(
+            lambda q, c, m: paged_attention(
+                q, c, LAYER, m, scale=scale, decode_only=False, k_scale=k_scale,
+                v_scale=k_scale, decode_config=no_split,
+            )
+        )  # fmt: skip
     gather_bytes = q.shape[0] * metadata.block_tables.shape[1] * BLOCK_SIZE * NUM_KV_HEADS
     gather_bytes *= HEAD_DIM * 4 * 2
     if with_peers and gather_bytes <= REFERENCE_GATHER_LIMIT:
@@ -458,6 +470,8 @@ def main() -> None:
             )
             cases.append((name, [(1, context)] * batch, kv_dtype, True))
     cases.append(("mixed_prefill_decode", mixed, jnp.bfloat16, False))
+    if not args.tiny:
+        cases.append(("mixed_long_decode_row", MIXED_LONG_STEP, jnp.bfloat16, False))
     if args.large_pool_only:
         cases = []
 

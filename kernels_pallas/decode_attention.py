@@ -47,6 +47,10 @@ class DecodeConfig:
     min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT
     num_warps: int | None = None  # None: 4, or 8 for head_dim 256 (float32: 128)
     num_stages: int = 2
+    # In a mixed (prefill + decode) step, the first this many decode rows long enough to split
+    # (2 x min_tokens_per_split) run here instead of in the ragged kernel, which streams a
+    # row's whole context in one program; 0: none. Static: the grid's rows.
+    mixed_long_rows: int = 8
 
 
 def device_sm_count(device: jax.Device | None = None) -> int:

@@ -6,7 +6,9 @@ the signature `models.llama` calls `attention_fn` with, so the engine swaps it i
 
 - the ragged kernel (`ragged_paged_attention.py`) for any batch of prefill chunks and decode
   tokens, and
-- the split-K decode kernel (`decode_attention.py`) when the batch is decode-only.
+- the split-K decode kernel (`decode_attention.py`) when the batch is decode-only, and in a
+  mixed batch for its long decode rows (`_mixed`): a 32k-token conversation then does not
+  stream its context in one program while it shares a step with prefills.
 
 Which one is static when the caller says so: decode_only=True (every q_len <= 1) runs the
 split-K kernel, decode_only=False the ragged one. The engine's model runner knows this on the
@@ -33,6 +35,7 @@ from pages it handed out, and pads with NULL_BLOCK, so the tables are valid by c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -125,6 +128,8 @@ def paged_attention(
     )
 
     def ragged(q):
+        if _routes_long_rows(cache, metadata, decode_config):
+            return _mixed(q, *operands, configs=(ragged_config, decode_config), **static)
         return _ragged(q, *operands, config=ragged_config, **static)
 
     def decode(q):
@@ -153,6 +158,45 @@ def _ragged(q, cache, layer, metadata, window, k_scale, v_scale, **static):
         v_scale,
         **static,
     )
+
+
+def _routes_long_rows(cache: KVCache, metadata: AttentionMetadata, config: DecodeConfig) -> bool:
+    """Whether a mixed step's long decode rows go to the split-K kernel: static, from the
+    block-table width, so buckets of short contexts launch no second kernel."""
+    max_context = metadata.block_tables.shape[1] * cache.k.shape[3]
+    return config.mixed_long_rows > 0 and max_context >= 2 * config.min_tokens_per_split
+
+
+def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, *, configs, **static):
+    """The ragged kernel on the step, but for its first `mixed_long_rows` decode rows of at
+    least 2 x min_tokens_per_split positions: those run split-K, and the ragged kernel sees
+    them as one-position contexts (cheap; their output is replaced)."""
+    ragged_config, decode_config = configs
+    num_tokens, num_seqs = q.shape[0], metadata.seq_lens.shape[0]
+    qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
+    long = (qsl[1:] - qsl[:-1] == 1) & (seq_lens >= 2 * decode_config.min_tokens_per_split)
+    num_rows = min(decode_config.mixed_long_rows, num_seqs)
+    (rows,) = jnp.nonzero(long, size=num_rows, fill_value=num_seqs)  # [R]; num_seqs: none
+    picked = jnp.zeros(num_seqs, bool).at[rows].set(True, mode="drop")
+    short = dataclasses.replace(metadata, seq_lens=jnp.where(picked, 1, seq_lens))
+    out = _ragged(q, cache, layer, short, window, k_scale, v_scale, config=ragged_config, **static)
+    real = rows < num_seqs
+    row = jnp.minimum(rows, num_seqs - 1)
+    token = qsl[row]  # [R] each long row's one new token
+    long_out = decode_attention_kernel(
+        q[token],
+        cache.k,
+        cache.v,
+        layer,
+        jnp.where(real, seq_lens[row], 0),
+        metadata.block_tables[row],
+        window,
+        k_scale,
+        v_scale,
+        config=decode_config,
+        **static,
+    )
+    return out.at[jnp.where(real, token, num_tokens)].set(long_out, mode="drop")
 
 
 def _decode(q, cache, layer, metadata, window, k_scale, v_scale, **static):

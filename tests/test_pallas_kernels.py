@@ -186,6 +186,35 @@ def test_decode_split_k_matches_reference(num_splits):
     assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
 
 
+# Two decode rows long enough to split (min_tokens_per_split 32: 64 positions and up), one
+# short decode row, prefill chunks, a padding sequence and padding tokens.
+LONG_MIXED = [(7, 7), (1, 300), (20, 45), (1, 40), (1, 200), (3, 70)]
+
+
+@pytest.mark.parametrize("long_rows,window", [(8, None), (1, None), (8, 50)])
+def test_a_mixed_steps_long_decode_rows_run_split_k(long_rows, window):
+    """The first `mixed_long_rows` long decode rows of a mixed step run split-K (the rest, and
+    every other row, the ragged kernel): every token still matches the oracle."""
+    q, cache, metadata = make_case(
+        6,
+        LONG_MIXED,
+        block_size=16,
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        num_tokens_padded=40,
+        num_seqs_padded=8,
+        max_blocks_per_seq=20,
+    )
+    kwargs = dict(scale=0.125, sliding_window=None if window is None else jnp.int32(window))
+    config = DecodeConfig(kv_tile_tokens=16, min_tokens_per_split=32, mixed_long_rows=long_rows)
+    out = paged_attention(
+        q, cache, 1, metadata, interpret=INTERPRET, decode_only=False, decode_config=config,
+        **kwargs,
+    )  # fmt: skip
+    assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
+
+
 def test_decode_split_k_bf16_gqa8_soft_cap():
     q, cache, metadata = make_case(
         4,
@@ -357,13 +386,15 @@ SMOLLM2 = ModelConfig(
 
 @pytest.mark.parametrize(
     "num_tokens,num_seqs,kv_dtype,kernels",
-    [(1, 1, jnp.float32, 2), (128, 128, jnp.bfloat16, 2), (512, 128, jnp.float32, 1)],
+    [(1, 1, jnp.float32, 3), (128, 128, jnp.bfloat16, 3), (512, 128, jnp.float32, 2)],
     ids=["decode-bucket", "square-bucket-bf16-pool", "mixed-bucket"],
 )
 def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, kv_dtype, kernels):
     """The whole GPU step, as the runner traces it on a GPU (float32 stacked weights, the
-    Pallas kernels inside the layer scan, a traced layer index), lowers for CUDA. Buckets with
-    as many tokens as sequences hold both kernels behind the decode-only dispatch."""
+    Pallas kernels inside the layer scan, a traced layer index), lowers for CUDA. A mixed step
+    at this table width (2,048 tokens) runs the ragged kernel and the split-K kernel for its
+    long decode rows; buckets with as many tokens as sequences hold those and the decode-only
+    split-K kernel behind the decode-only dispatch."""
     c, width = SMOLLM2, 2048 // 16
     f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)

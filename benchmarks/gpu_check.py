@@ -47,13 +47,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
-STAGES = ["env", "smoke", "kernel_tests", "bench", "engine", "host"]
+STAGES = ["env", "memory", "smoke", "kernel_tests", "bench", "engine", "host"]
 # Seconds per stage (--budget STAGE=SECONDS changes one). GPU: with the driver's slack, the 8
 # minutes one device call is planned for; sized from the stage times of the first GPU run
 # (benchmarks/README.md), with room to spare; the host stage is not yet timed on a GPU.
 BUDGETS = {
-    "gpu": dict(env=20, smoke=60, kernel_tests=120, bench=90, engine=90, host=80),
-    "cpu": dict(env=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120),
+    "gpu": dict(env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80),
+    "cpu": dict(env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120),
 }
 SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
 SMOKE_JOBS = {"gpu": 4, "cpu": 2}  # smoke processes at once (no preallocation: they share the GPU)
@@ -107,6 +107,42 @@ def probe() -> dict:
         compute_capability=getattr(device, "compute_capability", None),
         core_count=getattr(device, "core_count", None),
         sum_of_ones=float(jnp.ones(1024).sum()),  # the device computes
+    )
+
+
+def nvidia_smi_bytes() -> int:
+    """The card's memory by nvidia-smi; 0 where there is none."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=15,
+    )  # fmt: skip
+    return int(smi.stdout.split()[0]) * 2**20 if smi.returncode == 0 else 0
+
+
+def memory_run(utilization: float = 0.9) -> dict:
+    """A fresh process, as an engine starts one: gpu_memory_utilization becomes JAX's allocator
+    fraction before JAX starts (`reserve_device_memory`), so the allocator's limit is that
+    share of nvidia-smi's size (it was 0.75 whatever the option said). The CPU has no
+    allocator statistics: there only the variable is checked."""
+    from pagedjax.platforms import reserve_device_memory
+
+    reserve_device_memory(utilization)
+    import jax
+
+    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION")
+    stats = jax.devices()[0].memory_stats() or {}
+    limit, smi = stats.get("bytes_limit", 0), nvidia_smi_bytes()
+    share = limit / smi if limit and smi else None
+    ok = fraction == f"{utilization:g}" and (share is None or abs(share - utilization) < 0.02)
+    return dict(
+        status="PASS" if ok else "FAIL",
+        gpu_memory_utilization=utilization,
+        xla_client_mem_fraction=fraction,
+        allocator_bytes_limit=limit,
+        nvidia_smi_bytes=smi,
+        limit_over_card=share,
     )
 
 
@@ -339,13 +375,7 @@ def kv_budget_run(path: Path, prompt: list[int]) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     card = limit / allocator_fraction(os.environ)
-    smi_bytes = 0  # the card's size by nvidia-smi, where there is one
-    if shutil.which("nvidia-smi"):
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=15,
-        )  # fmt: skip
-        smi_bytes = int(smi.stdout.split()[0]) * 2**20 if smi.returncode == 0 else 0
+    smi_bytes = nvidia_smi_bytes()  # the card's size, where nvidia-smi is
     engine_stats = llm.llm_engine.engine_core.stats()
     kv_bytes = engine_stats.get("kv_cache_bytes_per_device", 0)
     ratio = card / smi_bytes if smi_bytes else None
@@ -509,6 +539,22 @@ class Check:
         print(text, flush=True)
         detail = f"{info['device_kind']}, jax {info['jax']}" if info else last_line(log)
         return dict(status=status, seconds=seconds, detail=detail)
+
+    def stage_memory(self, limit: float) -> dict:
+        log = self.out / "memory.log"
+        status, rc, seconds = run_child(self.me("--memory-run"), limit, log, self.env)
+        result = child_result(log) or {}
+        result["status"] = result.get("status", "FAIL") if status == "PASS" else status
+        (self.out / "memory.json").write_text(json.dumps(result, indent=2))
+        share = result.get("limit_over_card")
+        detail = (
+            f"gpu_memory_utilization 0.9: allocator limit {share:.3f} of the card"
+            if share
+            else f"XLA_CLIENT_MEM_FRACTION={result.get('xla_client_mem_fraction')}"
+            if result
+            else last_line(log)
+        )
+        return dict(status=result["status"], seconds=seconds, detail=detail)
 
     def stage_smoke(self, limit: float) -> dict:
         deadline = time.perf_counter() + limit
@@ -761,11 +807,14 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smoke-case", choices=list(SMOKE_CASES), help=argparse.SUPPRESS)
     parser.add_argument("--engine-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     mode = "cpu" if args.cpu else "gpu"
-    if args.probe or args.smoke_case or args.engine_run:  # a child: one result line, last
+    if args.probe or args.smoke_case or args.engine_run or args.memory_run:  # a child
         if args.probe:
             result = probe()
+        elif args.memory_run:
+            result = memory_run()
         elif args.smoke_case:
             result = smoke_case(args.smoke_case, mode)
         else:

@@ -6,14 +6,16 @@
 #
 # Stages (benchmarks/gpu_check.py), each killed at its budget and reported, the next one run:
 #   env           versions, nvidia-smi, jax.devices()
+#   memory        gpu_memory_utilization=0.9 as the allocator's limit in a fresh process
 #   smoke         8 kernel cases compiled, one process each, against the oracle
 #   kernel_tests  tests/test_pallas_kernels.py compiled
 #   bench         benchmarks/paged_kernels.py --quick --large-pool: vs JAX's bundled paged attention
 #                 and a device copy
 #   engine        a tiny random Llama, Pallas backend, greedy tokens against transformers
 #   host          the engine's host cost per decode step at 256 rows, 1 and 8 steps per dispatch
-# The PASS/FAIL and GB/s table comes last. Under $OUT: env.txt, smoke.json, kernel_tests.log,
-# kernel_tests.xml, bench.log, bench.json, engine.json, host.log, host.json, summary.txt.
+# The PASS/FAIL and GB/s table comes last. Under $OUT: env.txt, memory.log, memory.json,
+# smoke.json, kernel_tests.log, kernel_tests.xml, bench.log, bench.json, engine.json, host.log,
+# host.json, summary.txt.
 #
 #   OUT=/tmp/gc bash benchmarks/gpu_check.sh --cpu    # dry run on a CPU (CI: test_gpu_check.py)
 #   ... gpu_check.sh --only bench,engine --budget bench=300   # some stages, e.g. to rerun

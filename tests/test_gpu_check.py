@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processes)
 
-FILES = {"env.txt", "smoke.json", "kernel_tests.log", "kernel_tests.xml", "bench.log",
-         "bench.json", "engine.json", "host.log", "host.json", "summary.txt"}  # fmt: skip
+FILES = {"env.txt", "memory.log", "memory.json", "smoke.json", "kernel_tests.log",
+         "kernel_tests.xml", "bench.log", "bench.json", "engine.json", "host.log", "host.json",
+         "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,7 @@ def test_cpu_dry_run_runs_every_stage_and_prints_the_table_last(tmp_path):
         assert any(line.startswith(f"{stage} ") and " PASS " in line
                    for line in summary.splitlines()), stage  # fmt: skip
     assert "pallas_split_k" in summary and "GB/s" in summary
+    assert json.loads((tmp_path / "memory.json").read_text())["xla_client_mem_fraction"] == "0.9"
     engine = json.loads((tmp_path / "engine.json").read_text())
     assert engine["token_identical"] and engine["attention_backend"] == "pallas"
 

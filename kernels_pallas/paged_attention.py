@@ -91,6 +91,7 @@ def paged_attention(
     soft_cap: float | None = None,
     interpret: bool | None = None,
     decode_only: bool | None = None,
+    invariant: bool = False,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     software_fp8: bool | None = None,
@@ -106,7 +107,10 @@ def paged_attention(
     (per head) or [L, Hkv]. `software_fp8`: upcast an fp8 pool with integer ops; None: on
     GPUs without fp8 conversions (`gpu_lacks_fp8_conversions`). `decode_only`: True runs the
     split-K kernel (the caller guarantees every q_len <= 1), False the ragged kernel, None
-    chooses at run time on T == S buckets (module docstring).
+    chooses at run time on T == S buckets (module docstring). `invariant`: every token runs
+    the ragged kernel (decode_only is ignored, no split-K), so its result is the same bits
+    whatever the step's batch: its KV tiles start at fixed positions and are summed in order,
+    and a row's dots and softmax never mix with other rows'.
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
@@ -128,13 +132,15 @@ def paged_attention(
     )
 
     def ragged(q):
-        if _routes_long_rows(cache, metadata, decode_config):
+        if not invariant and _routes_long_rows(cache, metadata, decode_config):
             return _mixed(q, *operands, configs=(ragged_config, decode_config), **static)
         return _ragged(q, *operands, config=ragged_config, **static)
 
     def decode(q):
         return _decode(q, *operands, config=decode_config, **static)
 
+    if invariant:
+        return ragged(q)
     if decode_only is True:
         return decode(q)
     if decode_only is False or num_tokens != metadata.seq_lens.shape[0]:

@@ -382,3 +382,8 @@ def test_a_pool_sized_from_memory_avoids_the_fp8_range_the_kernels_copy(caplog):
     assert fit(blocks, spec=KVCacheSpec(30, 8, 128, jnp.bfloat16), draft=draft) == fitted
     draft_on_xla = SimpleNamespace(attention=XLA, kv_spec=fp8)
     assert fit(blocks, attention=XLA, draft=draft_on_xla) == blocks
+
+
+def test_a_gpu_refuses_batch_invariance_saying_what_is_missing():
+    with pytest.raises(ValueError, match="Pallas attention has an invariant mode.*matmuls"):
+        GpuPlatform().batch_invariant_backend(None, jnp.float32)

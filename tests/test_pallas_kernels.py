@@ -32,7 +32,7 @@ from kernels_pallas.decode_attention import (
     choose_num_splits,
 )
 from kernels_pallas.kv_cache import KVCache
-from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.metadata import AttentionMetadata, build_metadata
 from kernels_pallas.paged_attention import (
     PALLAS,
     paged_attention,
@@ -213,6 +213,39 @@ def test_a_mixed_steps_long_decode_rows_run_split_k(long_rows, window):
         **kwargs,
     )  # fmt: skip
     assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_invariant_mode_gives_a_token_the_same_bits_in_any_batch(kv_dtype):
+    """invariant=True: sequence A's token at position 599 (its query fixed) computed as a
+    decode row alone (which split-K would cut in two), as a decode row among chunks and other
+    decodes (another bucket), and as the last token of a 40-token chunk: the same bits."""
+    _, cache, _ = make_case(7, [(1, 600), (1, 80), (30, 60)], block_size=16, num_kv_heads=2,
+                            group=2, head_dim=64, kv_dtype=kv_dtype)  # fmt: skip
+    rng = np.random.default_rng(8)
+    tables = [list(range(1, 39)), list(range(39, 44)), list(range(44, 48))]  # A, B, C
+    q_dtype = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
+
+    def token_of_a(seqs, a_index, padded_tokens, padded_seqs):
+        """A's last token's output in a step of `seqs` ((q_len, context, table) each)."""
+        metadata = build_metadata(
+            [q for q, _, _ in seqs], [c for _, c, _ in seqs], [t for _, _, t in seqs], 16,
+            num_tokens_padded=padded_tokens, num_seqs_padded=padded_seqs, max_blocks_per_seq=40,
+        )  # fmt: skip
+        metadata = jax.tree.map(jnp.asarray, metadata)
+        q = rng.normal(size=(padded_tokens, 4, 64)).astype(np.float32)
+        last = int(metadata.query_start_loc[a_index + 1]) - 1
+        q[last] = a_query
+        out = paged_attention(jnp.asarray(q, q_dtype), cache, 1, metadata, scale=0.125,
+                              interpret=INTERPRET, decode_only=True, invariant=True)  # fmt: skip
+        return np.asarray(out[last].astype(jnp.float32))
+
+    a_query = rng.normal(size=(4, 64)).astype(np.float32)
+    alone = token_of_a([(1, 600, tables[0])], 0, 2, 2)
+    among = token_of_a([(5, 60, tables[2]), (1, 600, tables[0]), (1, 80, tables[1])], 1, 16, 4)
+    chunk = token_of_a([(1, 80, tables[1]), (40, 600, tables[0])], 1, 64, 4)
+    np.testing.assert_array_equal(alone, among)
+    np.testing.assert_array_equal(alone, chunk)
 
 
 def test_decode_split_k_bf16_gqa8_soft_cap():

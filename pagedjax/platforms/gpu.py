@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -18,6 +19,9 @@ from pagedjax.config import EngineConfig
 from pagedjax.platforms import DEFAULT_KV_BYTES, Platform
 from pagedjax.platforms.memory import allocator_fraction, gpu_kv_budget, sampler_reserve_bytes
 from pagedjax.sampler import XLA_SAMPLING, SamplingKernels
+
+if TYPE_CHECKING:
+    from kernels_pallas.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,15 @@ class GpuPlatform(Platform):
         if requested != "auto":
             return requested
         return checkpoint_dtype if checkpoint_dtype in CHECKPOINT_DTYPES else GPU_AUTO_DTYPE
+
+    def batch_invariant_backend(
+        self, backend: AttentionBackend, dtype: jax.typing.DTypeLike
+    ) -> AttentionBackend:
+        raise ValueError(
+            "batch_invariant=True is not available on a GPU yet: the Pallas attention has an "
+            "invariant mode (paged_attention(invariant=True)), but XLA's GPU matmuls choose "
+            "their reduction order by shape; drop batch_invariant, or run on the CPU"
+        )
 
     def kv_budget_bytes(
         self,

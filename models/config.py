@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
 )
 
 MODEL_TYPES = {
@@ -21,7 +22,15 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
+
+# The MLP's activations by their Hugging Face names (`hidden_act` / Gemma's
+# `hidden_activation`): SwiGLU's SiLU, and GeGLU's tanh-approximated GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Gemma's family: embeddings scaled by sqrt(hidden), RMSNorms of (1 + w), a norm after the
+# attention and after the MLP as well as before each.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,15 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, object], ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    # Gemma: the embeddings times sqrt(hidden_size); norms after attention and MLP too.
+    scale_embeddings: bool = False
+    post_norms: bool = False
+    # The attention's scale is query_pre_attn_scalar ** -0.5 where set (Gemma), else
+    # head_dim ** -0.5; scores and final logits soft-capped (cap * tanh(x / cap)) where set.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -57,7 +75,13 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def norm_offset(self) -> float:
+        """What the checkpoint's RMSNorm weights lack: Gemma stores w and multiplies by
+        1 + w; the loader adds it once, so every family's norm multiplies by its weight."""
+        return 1.0 if self.architecture in GEMMA_ARCHITECTURES else 0.0
 
     def num_layer_params(self) -> int:
         """Matmul weights of all decoder layers: the parameters every computed token uses."""
@@ -124,9 +148,15 @@ def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int,
     if architecture == "MistralForCausalLM":
         return (window,) * num_layers
     layer_types = hf.get("layer_types")
+    if architecture in GEMMA_ARCHITECTURES and window and layer_types:
+        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     if window and hf.get("use_sliding_window") and layer_types:
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     return (0,) * num_layers
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -140,8 +170,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             f"architecture {architectures or hf.get('model_type')!r} is not supported; "
             f"pagedjax runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if activation not in ACTIVATIONS:
+        raise ModelLoadError(f"hidden_act {activation!r} is not supported (only {ACTIVATIONS})")
+    gemma = architecture in GEMMA_ARCHITECTURES
     try:
         num_heads = int(hf["num_attention_heads"])
         hidden_size = int(hf["hidden_size"])
@@ -170,6 +202,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             rope_scaling=scaling,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=activation,
+            scale_embeddings=gemma,
+            post_norms=gemma,
+            query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
+            attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
         )
     except KeyError as e:
         raise ModelLoadError(f"config is missing the field {e.args[0]!r}") from e

@@ -118,6 +118,11 @@ class LlamaForCausalLM(nnx.Module):
     """Hugging Face's Llama / Mistral / Qwen2 / Qwen3 causal LM in Flax NNX (dense, no cache)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        if config.post_norms or config.scale_embeddings or config.hidden_act != "silu":
+            raise ValueError(
+                f"the Flax NNX module is the Llama family's; {config.architecture} is not: "
+                "train on models.training's functional forward instead"
+            )
         self.config, self.dtype = config, dtype
         self.model = LlamaModel(config, rngs=rngs, dtype=dtype)
         if not config.tie_word_embeddings:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.errors import ModelLoadError
 from models.llama import Params
-from models.loader import FUSED_MATMULS
+from models.loader import FUSED_MATMULS, layer_norms
 
 
 def is_hf_state(params: Mapping) -> bool:
@@ -32,17 +32,14 @@ def param_shapes(config: ModelConfig) -> Params:
     L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
     Q, KV, V = config.q_size, config.kv_size, config.vocab_size
     layers = {
-        "attn_norm": (L, H),
         "wqkv": (L, H, Q + 2 * KV),
         "wo": (L, Q, H),
-        "mlp_norm": (L, H),
         "w_gate_up": (L, H, 2 * I),
         "w_down": (L, I, H),
     }
+    layers.update({name: (L, width) for name, (_, width) in layer_norms(config).items()})
     if config.attention_bias:
         layers["bqkv"] = (L, Q + 2 * KV)
-    if config.qk_norm:
-        layers["q_norm"] = layers["k_norm"] = (L, config.head_dim)
     shapes: Params = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
@@ -86,21 +83,20 @@ def params_from_hf_state(
     def fused(parts: tuple[str, ...]):
         return lambda p: jnp.concatenate([get(f"{p}{part}.weight").T for part in parts], axis=1)
 
-    layers = {
-        "attn_norm": stacked(lambda p: get(p + "input_layernorm.weight")),
-        "mlp_norm": stacked(lambda p: get(p + "post_attention_layernorm.weight")),
-    }
+    offset = config.norm_offset  # Gemma's norms multiply by 1 + w (models/loader.py)
+
+    def norm(hf_name: str):
+        return lambda p: get(f"{p}{hf_name}.weight") + offset
+
+    layers = {name: stacked(norm(hf)) for name, (hf, _) in layer_norms(config).items()}
     layers.update({name: stacked(fused(parts)) for name, parts in FUSED_MATMULS.items()})
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(lambda p: jnp.concatenate([get(f"{p}{q}.bias") for q in qkv]))
-    if config.qk_norm:
-        layers["q_norm"] = stacked(lambda p: get(p + "self_attn.q_norm.weight"))
-        layers["k_norm"] = stacked(lambda p: get(p + "self_attn.k_norm.weight"))
     params: Params = {
         "embed": get("model.embed_tokens.weight"),
         "layers": layers,
-        "final_norm": get("model.norm.weight"),
+        "final_norm": get("model.norm.weight") + offset,
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = get("lm_head.weight").T
@@ -115,16 +111,17 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
     Q, KV, I = config.q_size, config.kv_size, config.intermediate_size  # noqa: E741
     widths = {"wqkv": (Q, KV, KV), "w_gate_up": (I, I)}
     layers = params["layers"]
+    offset = config.norm_offset
     state = {
         "model.embed_tokens.weight": params["embed"],
-        "model.norm.weight": params["final_norm"],
+        "model.norm.weight": params["final_norm"] - offset,
     }
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = params["lm_head"].T
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        state[p + "input_layernorm.weight"] = layers["attn_norm"][i]
-        state[p + "post_attention_layernorm.weight"] = layers["mlp_norm"][i]
+        for name, (hf_name, _) in layer_norms(config).items():
+            state[f"{p}{hf_name}.weight"] = layers[name][i] - offset
         for name, parts in FUSED_MATMULS.items():
             w = layers[name][i]
             bounds = _bounds(widths.get(name, (w.shape[1],)))
@@ -135,9 +132,6 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
                 FUSED_MATMULS["wqkv"], _bounds((Q, KV, KV)), strict=True
             ):
                 state[f"{p}{part}.bias"] = layers["bqkv"][i, start:stop]
-        if config.qk_norm:
-            state[p + "self_attn.q_norm.weight"] = layers["q_norm"][i]
-            state[p + "self_attn.k_norm.weight"] = layers["k_norm"][i]
     return state
 
 

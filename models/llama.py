@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2) as pure
+functions.
 
 Params are a pytree with the layers stacked on a leading axis:
 
@@ -10,13 +11,17 @@ Params are a pytree with the layers stacked on a leading axis:
       q_norm     [L, D]             Qwen3 only (per-head RMSNorm weights)
       k_norm     [L, D]             Qwen3 only
       wo         [L, Q, H]
+      post_attn_norm [L, H]         Gemma only: after the attention, before the residual add
       mlp_norm   [L, H]
+      post_mlp_norm  [L, H]         Gemma only: after the MLP
       w_gate_up  [L, H, 2 I]        gate and up projections fused at load time
       w_down     [L, I, H]
     final_norm   [H]
     lm_head      [H, V]             absent when the embeddings are tied and kept as a table
 
-with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. The forward scans over layers
+with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. Gemma's differences are
+config fields (`ModelConfig`: scaled embeddings, post-norms, GeGLU, the attention's scale and
+soft caps); its norms' 1 + w is folded into the weights at load. The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry. The
 layer body takes its attention as a function, so the same layers also run densely, and
 differentiably, for training (`models/training.py`).
@@ -163,7 +168,16 @@ def _attention_block(
     out, state = attend(q, k, v, layer, sliding_window, state)
     # Tensor parallel: o_proj's rows are sharded by head, so each shard holds a partial sum.
     out = layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer)
-    return x + all_reduce(out, axis_name), state
+    out = all_reduce(out, axis_name)
+    if config.post_norms:
+        out = rms_norm(out, layer_params["post_attn_norm"], config.rms_norm_eps)
+    return x + out, state
+
+
+def _activation(config: ModelConfig, gate: jax.Array) -> jax.Array:
+    if config.hidden_act == "gelu_pytorch_tanh":  # GeGLU (Gemma)
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
 
 
 def _mlp_block(
@@ -176,8 +190,11 @@ def _mlp_block(
 ) -> jax.Array:
     h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
     gate, up = jnp.split(layer_matmul(h, weights["w_gate_up"], layer), 2, axis=-1)
-    out = layer_matmul(jax.nn.silu(gate) * up, weights["w_down"], layer)
-    return x + all_reduce(out, axis_name)
+    out = layer_matmul(_activation(config, gate) * up, weights["w_down"], layer)
+    out = all_reduce(out, axis_name)
+    if config.post_norms:
+        out = rms_norm(out, layer_params["post_mlp_norm"], config.rms_norm_eps)
+    return x + out
 
 
 def decoder_layers(
@@ -196,6 +213,8 @@ def decoder_layers(
     (out [T, heads, D], state) is each layer's attention of q over k and v, and whatever the
     keys live in: the paged forward writes them into the KV pool it carries as `state`."""
     cos, sin = rope_cos_sin(config, positions)
+    if config.scale_embeddings:  # Gemma: by sqrt(hidden), rounded to the activations' dtype
+        x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
     # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
     weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
     scanned = {k: v for k, v in params["layers"].items() if k not in MATMUL_WEIGHTS}
@@ -247,6 +266,7 @@ def forward(
             metadata,
             scale=config.attention_scale,
             sliding_window=sliding_window if any(config.sliding_windows) else None,
+            soft_cap=config.attn_logit_softcap,
         )
         return out, cache
 
@@ -254,9 +274,15 @@ def forward(
     return decoder_layers(params, config, x, positions, attend, kv_cache, axis_name)
 
 
-def compute_logits(params: Params, hidden: jax.Array, axis_name: str | None = None) -> jax.Array:
+def compute_logits(
+    params: Params,
+    hidden: jax.Array,
+    axis_name: str | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
     """[R, H] hidden rows -> [R, V] float32 logits; call it only on the rows to be sampled.
-    Tensor parallel: each shard's slice of the vocabulary, gathered into every shard."""
+    Tensor parallel: each shard's slice of the vocabulary, gathered into every shard.
+    soft_cap: the config's final_logit_softcap (cap * tanh(logits / cap))."""
     head = params.get("lm_head")
     with matmul_precision(hidden.dtype):
         if isinstance(head, LinearWeight):
@@ -266,6 +292,8 @@ def compute_logits(params: Params, hidden: jax.Array, axis_name: str | None = No
         else:
             logits = jnp.einsum("rh,vh->rv", hidden, params["embed"])
     logits = logits.astype(jnp.float32)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
     if axis_name is None:
         return logits
     return jax.lax.all_gather(logits, axis_name, axis=1, tiled=True)
@@ -286,7 +314,8 @@ def forward_logits(
     hidden, kv_cache = forward(
         params, config, token_ids, positions, kv_cache, metadata, attention_fn, axis_name
     )
-    return compute_logits(params, hidden[logits_indices], axis_name), kv_cache
+    logits = compute_logits(params, hidden[logits_indices], axis_name, config.final_logit_softcap)
+    return logits, kv_cache
 
 
 forward_logits_jit = jax.jit(

@@ -70,6 +70,26 @@ FUSED_MATMULS = {
 }
 
 
+def layer_norms(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Our per-layer RMSNorm weights -> (their Hugging Face name within a layer, width). Gemma
+    puts a norm after the attention and the MLP as well as before them, and names the one
+    before the MLP otherwise than Llama does."""
+    H = config.hidden_size  # noqa: N806
+    if config.post_norms:
+        norms = {
+            "attn_norm": ("input_layernorm", H),
+            "post_attn_norm": ("post_attention_layernorm", H),
+            "mlp_norm": ("pre_feedforward_layernorm", H),
+            "post_mlp_norm": ("post_feedforward_layernorm", H),
+        }
+    else:
+        norms = {"attn_norm": ("input_layernorm", H), "mlp_norm": ("post_attention_layernorm", H)}
+    if config.qk_norm:
+        norms["q_norm"] = ("self_attn.q_norm", config.head_dim)
+        norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
+    return norms
+
+
 def params_from_hf_tensors(
     config: ModelConfig,
     get: TensorGetter,
@@ -124,10 +144,13 @@ def _stack_params(
         if kept.scales.shape[-2:] != (n, k // 32):
             rows, inputs = kept.scales.shape[-2], kept.scales.shape[-1] * 32
             raise ValueError(f"{name} is {rows} x {inputs} block codes, not {n} x {k}")
-    layers = {
-        "attn_norm": stacked((H,), lambda p: get(p + "input_layernorm.weight")),
-        "mlp_norm": stacked((H,), lambda p: get(p + "post_attention_layernorm.weight")),
-    }
+    offset = config.norm_offset  # Gemma's norms multiply by 1 + w: added once, here
+
+    def norm(hf_name: str) -> Callable[[str], np.ndarray]:
+        return lambda p: get(f"{p}{hf_name}.weight").astype(np.float32) + offset
+
+    norms = layer_norms(config)
+    layers = {name: stacked((width,), norm(hf)) for name, (hf, width) in norms.items()}
     for name, parts in FUSED_MATMULS.items():
         shape = matmul_shapes[name]
         layers[name] = blocks[name] if name in blocks else stacked(shape, fused(parts, shape[1]))
@@ -136,15 +159,13 @@ def _stack_params(
         layers["bqkv"] = stacked(
             (Q + 2 * KV,), lambda p: np.concatenate([get(f"{p}{q}.bias") for q in qkv])
         )
-    if config.qk_norm:
-        layers["q_norm"] = stacked((config.head_dim,), lambda p: get(p + "self_attn.q_norm.weight"))
-        layers["k_norm"] = stacked((config.head_dim,), lambda p: get(p + "self_attn.k_norm.weight"))
 
     def single(name: str, transpose: bool = False) -> jax.Array:
         w = get(name)
         return to_array(np.ascontiguousarray(w.T if transpose else w, dtype=host_dtype))
 
-    params: Params = {"layers": layers, "final_norm": single("model.norm.weight")}
+    final_norm = to_array((get("model.norm.weight").astype(np.float32) + offset).astype(host_dtype))
+    params: Params = {"layers": layers, "final_norm": final_norm}
     # Tied embeddings kept as block codes serve the lookups too (QuantizedLinear.take_columns).
     if not (config.tie_word_embeddings and "lm_head" in blocks):
         params["embed"] = single("model.embed_tokens.weight")

@@ -50,7 +50,11 @@ def dense_causal_attention(
     )  # [B, KV, G, T, T]
     # A traced window per layer, as in the paged forward: 0 is full attention.
     visible = causal & ((sliding_window <= 0) | (distance < sliding_window))
-    scores = jnp.where(visible, scores * config.attention_scale, MASK_VALUE)
+    scores = scores * config.attention_scale
+    cap = config.attn_logit_softcap
+    if cap is not None:  # Gemma 2
+        scores = cap * jnp.tanh(scores / cap)
+    scores = jnp.where(visible, scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32))
     return out.reshape(q.shape).astype(q.dtype)
@@ -91,7 +95,8 @@ def dense_logits(
         return kernels.attention(config, q, k, v, batch, length, sliding_window), state
 
     hidden, _ = decoder_layers(params, config, x, positions, attend)
-    return compute_logits(params, hidden).reshape(batch, length, -1)
+    logits = compute_logits(params, hidden, soft_cap=config.final_logit_softcap)
+    return logits.reshape(batch, length, -1)
 
 
 def token_logprobs(

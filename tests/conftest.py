@@ -55,6 +55,19 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         "Qwen3Config",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     ),
+    # Small soft caps and scalar, so the tanh and the scale matter at these logits; every
+    # other layer slides over 7 keys (layer_types).
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            sliding_window=7,
+        ),
+    ),
 }
 
 _BASE = dict(

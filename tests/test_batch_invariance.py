@@ -103,7 +103,7 @@ def test_logprobs_are_the_same_however_the_request_is_scheduled(tiny):
     np.testing.assert_array_equal(crowded, alone)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])  # GQA; qk-norm with a tied head
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])  # GQA; qk-norm, tied; soft caps
 def test_dense_kernels_reproduce_the_engine_logprobs(tiny, name):
     path, _, config, params = tiny(name)
     llm = LLM(str(path), max_model_len=64, block_size=16, batch_invariant=True)

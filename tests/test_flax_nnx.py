@@ -111,3 +111,9 @@ def test_trained_module_generates_through_the_engine(tiny):
     assert generate() == trained
     llm.update_weights(loaded)  # and back to the weights before training
     assert generate() == untrained
+
+
+def test_a_gemma_config_is_refused_saying_what_to_use(tiny):
+    config = tiny("gemma2")[2]
+    with pytest.raises(ValueError, match="Llama family's; Gemma2ForCausalLM is not"):
+        LlamaForCausalLM(config, rngs=nnx.Rngs(0))

@@ -3,13 +3,15 @@ update_weights / load_weights, sleep / wake_up."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.errors import ModelLoadError
-from models.hf_params import hf_state_from_params
+from models.hf_params import hf_state_from_params, params_from_hf_state
 from models.loader import load_model
 from pagedjax import LLM, SamplingParams
 from pagedjax.errors import EngineSleepingError
@@ -181,3 +183,17 @@ def test_async_llm_updates_weights_between_steps(model, llm):
         return tokens(new, [PROMPTS[0] + out[:k]], rest)[0]
 
     assert any(out[k:] == continued(k) for k in range(3, differs + 1))
+
+
+def test_gemmas_hf_names_and_norm_offsets_go_both_ways(tiny):
+    """A trainer's Hugging Face-named Gemma 2 weights (norms as w, used as 1 + w) become the
+    loader's params and back: post-norms by their names, the offset added once."""
+    _, hf_model, config, loaded = tiny("gemma2")
+    state = {name: jnp.asarray(p.detach().numpy()) for name, p in hf_model.state_dict().items()}
+    params = params_from_hf_state(config, state)
+    for path, value in jax.tree_util.tree_leaves_with_path(loaded):
+        got = functools.reduce(lambda tree, key: tree[key.key], path, params)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=1e-6, err_msg=str(path))
+    back = hf_state_from_params(config, params)
+    for name, value in back.items():
+        np.testing.assert_allclose(np.asarray(value), np.asarray(state[name]), atol=1e-6)

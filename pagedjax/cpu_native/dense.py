@@ -125,6 +125,7 @@ def _kernel_attention(config, q, k, v, batch, length, sliding_window, block_size
         metadata,
         scale=config.attention_scale,
         sliding_window=sliding_window,
+        soft_cap=config.attn_logit_softcap,
         invariant=True,
     )
 

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 MODEL_TYPES = {
@@ -23,6 +24,7 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 # The MLP's activations by their Hugging Face names (`hidden_act` / Gemma's
@@ -30,7 +32,7 @@ MODEL_TYPES = {
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Gemma's family: embeddings scaled by sqrt(hidden), RMSNorms of (1 + w), a norm after the
 # attention and after the MLP as well as before each.
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM",)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Sliding-window layers' own RoPE base (Gemma 3's local layers); None: rope_theta.
+    local_rope_theta: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -89,12 +93,14 @@ class ModelConfig:
         mlp = 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * (attn + mlp)
 
-    def inv_freq(self) -> np.ndarray:
-        """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does."""
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does;
+        local: a sliding-window layer's where it has a base of its own (unscaled)."""
+        theta = self.local_rope_theta if local else self.rope_theta
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)
-        inv_freq = (1.0 / (np.float32(self.rope_theta) ** (exponents / self.head_dim))).astype(
-            np.float32
-        )
+        inv_freq = (1.0 / (np.float32(theta) ** (exponents / self.head_dim))).astype(np.float32)
+        if local:
+            return inv_freq
         scaling = dict(self.rope_scaling)
         rope_type = scaling.get("rope_type", "default")
         if rope_type == "default":
@@ -124,9 +130,23 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def _local_rope_theta(hf: dict) -> float | None:
+    """A sliding-window layer's own RoPE base (Gemma 3): v5's per-layer-type parameters, or
+    v4's `rope_local_base_freq`; its scaling must be none."""
+    params = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if params is None:
+        local = hf.get("rope_local_base_freq")
+        return None if local is None else float(local)
+    if params.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"RoPE scaling of sliding-window layers is not supported: {params}")
+    return float(params["rope_theta"])
+
+
 def _rope_settings(hf: dict) -> tuple[float, tuple[tuple[str, object], ...]]:
-    """(rope_theta, scaling) from either transformers v5 `rope_parameters` or v4 fields."""
+    """(rope_theta, scaling) from either transformers v5 `rope_parameters` or v4 fields (the
+    full-attention layers' where each layer type has its own)."""
     params = dict(hf.get("rope_parameters") or {})
+    params = dict(params.get("full_attention", params))
     legacy = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     scaling = {**legacy, **params}
@@ -197,7 +217,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_windows=_sliding_windows(hf, architecture, num_layers),
             rope_scaling=scaling,
             bos_token_id=hf.get("bos_token_id"),
@@ -208,6 +228,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             query_pre_attn_scalar=_optional_float(hf.get("query_pre_attn_scalar")),
             attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
+            local_rope_theta=_local_rope_theta(hf) if gemma else None,
         )
     except KeyError as e:
         raise ModelLoadError(f"config is missing the field {e.args[0]!r}") from e

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2) as pure
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and 3) as pure
 functions.
 
 Params are a pytree with the layers stacked on a leading axis:
@@ -8,8 +8,8 @@ Params are a pytree with the layers stacked on a leading axis:
       attn_norm  [L, H]
       wqkv       [L, H, Q + 2 KV]   q, k and v projections fused at load time
       bqkv       [L, Q + 2 KV]      Qwen2 only
-      q_norm     [L, D]             Qwen3 only (per-head RMSNorm weights)
-      k_norm     [L, D]             Qwen3 only
+      q_norm     [L, D]             Qwen3 and Gemma 3 only (per-head RMSNorm weights)
+      k_norm     [L, D]             Qwen3 and Gemma 3 only
       wo         [L, Q, H]
       post_attn_norm [L, H]         Gemma only: after the attention, before the residual add
       mlp_norm   [L, H]
@@ -21,7 +21,8 @@ Params are a pytree with the layers stacked on a leading axis:
 
 with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. Gemma's differences are
 config fields (`ModelConfig`: scaled embeddings, post-norms, GeGLU, the attention's scale and
-soft caps); its norms' 1 + w is folded into the weights at load. The forward scans over layers
+soft caps, Gemma 3's local RoPE base); its norms' 1 + w is folded into the weights at load.
+The forward scans over layers
 (one compiled layer body, whatever the depth) with the paged KV pool in the scan carry. The
 layer body takes its attention as a function, so the same layers also run densely, and
 differentiably, for training (`models/training.py`).
@@ -122,9 +123,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[T, head_dim] cos and sin tables, in float32, for the half-split (rotate_half) layout."""
-    inv_freq = jnp.asarray(config.inv_freq())
+def rope_cos_sin(
+    config: ModelConfig, positions: jax.Array, local: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """[T, head_dim] cos and sin tables, in float32, for the half-split (rotate_half) layout
+    (local: of the sliding-window layers' own base, `ModelConfig.local_rope_theta`)."""
+    inv_freq = jnp.asarray(config.inv_freq(local))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -213,6 +217,8 @@ def decoder_layers(
     (out [T, heads, D], state) is each layer's attention of q over k and v, and whatever the
     keys live in: the paged forward writes them into the KV pool it carries as `state`."""
     cos, sin = rope_cos_sin(config, positions)
+    # Gemma 3: sliding-window layers rotate by a base of their own.
+    local = rope_cos_sin(config, positions, local=True) if config.local_rope_theta else None
     if config.scale_embeddings:  # Gemma: by sqrt(hidden), rounded to the activations' dtype
         x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
     # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
@@ -222,8 +228,11 @@ def decoder_layers(
     def layer_step(carry, per_layer):
         x, state = carry
         layer_params, layer, window = per_layer
+        c, s = cos, sin
+        if local is not None:  # this layer's table: the local one where it slides
+            c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
         x, state = _attention_block(
-            config, layer_params, weights, x, cos, sin, layer, window, attend, state, axis_name
+            config, layer_params, weights, x, c, s, layer, window, attend, state, axis_name
         )
         return (_mlp_block(config, layer_params, weights, x, layer, axis_name), state), None
 

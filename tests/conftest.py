@@ -68,6 +68,22 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
             sliding_window=7,
         ),
     ),
+    # Gemma 3: qk-norms of 1 + w, sliding layers rotating by a base of their own while the
+    # full-attention layer's RoPE is linearly scaled.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=20,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
 }
 
 _BASE = dict(

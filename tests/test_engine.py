@@ -59,7 +59,7 @@ def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[
     return [rng.integers(3, 128, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma2", "gemma3"])
 def test_greedy_matches_transformers(tiny, name):
     prompts = make_prompts(6, seed=1)
     outputs = run(make_engine(tiny, name), prompts, SamplingParams(max_tokens=10, **GREEDY))
@@ -68,14 +68,15 @@ def test_greedy_matches_transformers(tiny, name):
         assert tokens == hf_greedy(hf_model, prompt, 10)
 
 
-def test_gemma2_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny):
-    """Gemma 2 (soft caps, post-norms, every other layer sliding over 7 keys) gives
-    transformers' greedy tokens with chunked prefill, preemption, prefix-cache hits (prompts
-    sharing a 24-token prefix) and n = 2, as every family must."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, name):
+    """Gemma 2 (soft caps, post-norms, every other layer sliding over 7 keys) and Gemma 3
+    (qk-norms, local and global RoPE) give transformers' greedy tokens with chunked prefill,
+    preemption, prefix-cache hits (prompts sharing a 24-token prefix) and n = 2."""
     rng = np.random.default_rng(5)
     shared = rng.integers(3, 128, 24).tolist()
     prompts = [shared + rng.integers(3, 128, n).tolist() for n in (3, 9, 14, 20)]
-    hf_model = tiny("gemma2")[1]
+    hf_model = tiny(name)[1]
     expected = [hf_greedy(hf_model, prompt, 12) for prompt in prompts]
     params = SamplingParams(max_tokens=12, n=2, **GREEDY)
     for options in (
@@ -83,7 +84,7 @@ def test_gemma2_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny):
         dict(num_kv_blocks=14, block_size=8, max_model_len=64, enable_prefix_caching=False),
         dict(block_size=8),
     ):
-        engine = make_engine(tiny, "gemma2", **options)
+        engine = make_engine(tiny, name, **options)
         outputs = run(engine, prompts, params)
         for out, want in zip(outputs, expected, strict=True):
             assert [c.token_ids for c in out.outputs] == [want, want], options

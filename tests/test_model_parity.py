@@ -66,7 +66,7 @@ SMALL_TILES = functools.partial(
 
 
 @pytest.mark.parametrize("attention", ["reference", "xla", "cpu_native"])
-@pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention, tiny_model_dir):
     """Three sequences share each step: prefill in uneven chunks, then decode one token at a time,
     through shuffled block tables, with padding tokens and a padding sequence in every step."""

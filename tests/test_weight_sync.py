@@ -185,10 +185,12 @@ def test_async_llm_updates_weights_between_steps(model, llm):
     assert any(out[k:] == continued(k) for k in range(3, differs + 1))
 
 
-def test_gemmas_hf_names_and_norm_offsets_go_both_ways(tiny):
-    """A trainer's Hugging Face-named Gemma 2 weights (norms as w, used as 1 + w) become the
-    loader's params and back: post-norms by their names, the offset added once."""
-    _, hf_model, config, loaded = tiny("gemma2")
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemmas_hf_names_and_norm_offsets_go_both_ways(tiny, name):
+    """A trainer's Hugging Face-named Gemma weights (norms as w, used as 1 + w; Gemma 3's
+    qk-norms too) become the loader's params and back: post-norms by their names, the offset
+    added once."""
+    _, hf_model, config, loaded = tiny(name)
     state = {name: jnp.asarray(p.detach().numpy()) for name, p in hf_model.state_dict().items()}
     params = params_from_hf_state(config, state)
     for path, value in jax.tree_util.tree_leaves_with_path(loaded):

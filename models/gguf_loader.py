@@ -34,7 +34,13 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# llama.cpp's Gemma converters store each RMSNorm weight as 1 + w; Hugging Face names hold w.
+_NORMS_SHIFTED = ("gemma3",)
+# llama.cpp's Gemma 3: every 6th layer attends globally, the others slide with a RoPE base
+# of 10,000 (its hard-coded values, as Hugging Face's Gemma3TextConfig defaults too).
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -70,6 +76,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms a layer: its "ffn_norm" is the one before the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -354,12 +367,13 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in _NORMS_SHIFTED else _LAYER_NAMES
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -412,6 +426,8 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
         if token_id is not None:
             config[f"{hf_key}_token_id"] = int(token_id)
 
+    if arch == "gemma3":
+        config.update(_gemma3_config(config, int(get("attention.sliding_window"))))
     prefix = f"{arch}.rope.scaling."
     scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     if scaling.get("type", "none") != "none":
@@ -424,6 +440,26 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
             rope_scaling[key] = _config_float(value) if isinstance(value, float) else value
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _gemma3_config(config: dict, window: int) -> dict:
+    """What a Gemma 3 GGUF leaves to llama.cpp's code, as Hugging Face's config spells it."""
+    layers = config["num_hidden_layers"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": [
+            "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention"
+            for i in range(layers)
+        ],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        },
+        # llama.cpp scales by 1 / sqrt(head_dim), what Hugging Face's configs say below 27B.
+        "query_pre_attn_scalar": config["head_dim"],
+    }
 
 
 def _open_map(path: Path) -> mmap.mmap:
@@ -510,9 +546,11 @@ def read_gguf(
                 f"{path} is truncated: tensor {t.name!r} ends at byte {end} but the file has "
                 f"{len(buf)} bytes; {_REDOWNLOAD}"
             )
+    arch = meta.get("general.architecture")
+    shifted = arch in _NORMS_SHIFTED
     jobs = []
     for t in infos:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             raise ModelLoadError(
                 f"{path}: tensor {t.name!r} has no counterpart in {config['architectures'][0]}"
@@ -532,6 +570,8 @@ def read_gguf(
             w = block_codes(raw, t.qtype, t.shape) if keep_blocks else None
             if w is None:
                 w = dequantize(raw, t.qtype, t.shape)
+                if shifted and name.endswith("norm.weight"):
+                    w -= 1.0  # the Hugging Face weight (the loader adds the 1 back)
             heads = n_heads if ".self_attn.q_proj." in name else n_kv
             if permute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
                 if isinstance(w, BlockCodes):
@@ -603,6 +643,10 @@ def _tokenizer_class(architecture: str) -> type:
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
         return Qwen2Tokenizer
+    if architecture == "gemma3":
+        from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+        return GemmaTokenizer
     # llama (and mistral, which AutoTokenizer sends to TokenizersBackend without tekken files).
     return TokenizersBackend
 

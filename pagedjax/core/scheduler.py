@@ -604,7 +604,7 @@ class Scheduler:
         if not rows:
             return outputs
         tokens, finite = result.token_ids.tolist(), result.finite.tolist()
-        logprobs, max_model_len = result.logprobs, self.max_model_len
+        logprobs = result.logprobs
         num_plain = 0
         while row < len(rows):
             request = rows[row]
@@ -620,9 +620,7 @@ class Scheduler:
                 if (  # nothing can end it: the common row, 256 times a step
                     finite[row]
                     and request.constraints is None
-                    and token not in request.stop_token_ids
-                    and position + 1 - request.num_prompt_tokens < request.max_tokens
-                    and position + 1 < max_model_len
+                    and self._check_stop(request, token, position + 1) is None
                 ):
                     request.all_token_ids[position] = token
                     num_plain += 1

@@ -117,8 +117,8 @@ def test_unsupported_rope_scaling(saved_llama, tmp_path):
 def test_a_bf16_checkpoint_loads_in_bf16_without_a_float32_copy_on_the_host():
     """Peak RSS growth while loading a sharded bf16 checkpoint in bf16 (a fresh process): the
     files' mapped pages, the CPU device's copy, one stacked weight at a time and the
-    allocators' slack: 3.1x measured. Stacking every layer in float32 first, as the loader
-    did, took 4.6-4.9x."""
+    allocators' slack, well under what stacking every layer in float32 first took
+    (benchmarks/README.md, "Loading a bf16 checkpoint in bf16")."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from load_memory import measure, save_checkpoint
 

@@ -47,13 +47,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
-STAGES = ["env", "memory", "smoke", "kernel_tests", "bench", "engine", "host"]
+STAGES = ["env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "moe"]
 # Seconds per stage (--budget STAGE=SECONDS changes one). GPU: with the driver's slack, the 8
 # minutes one device call is planned for; sized from the stage times of the first GPU run
 # (benchmarks/README.md), with room to spare; the host stage is not yet timed on a GPU.
 BUDGETS = {
-    "gpu": dict(env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80),
-    "cpu": dict(env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120),
+    "gpu": dict(
+        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80, moe=60
+    ),
+    "cpu": dict(
+        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=120
+    ),
 }
 SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
 SMOKE_JOBS = {"gpu": 4, "cpu": 2}  # smoke processes at once (no preallocation: they share the GPU)
@@ -589,7 +593,8 @@ class Check:
 
     def stage_kernel_tests(self, limit: float) -> dict:
         xml, log = self.out / "kernel_tests.xml", self.out / "kernel_tests.log"
-        cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py", "-v",
+        cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py",
+               "tests/test_grouped_matmul.py", "-v",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "--durations=10",
                "-o", "faulthandler_timeout=60"]  # fmt: skip
         if importlib.util.find_spec("pytest_timeout"):  # fails a stuck test, the run goes on
@@ -675,6 +680,28 @@ class Check:
         else:
             detail = last_line(log)
         return dict(status=result["status"], seconds=seconds, detail=detail)
+
+    def stage_moe(self, limit: float) -> dict:
+        """The experts' grouped matmul (issue 43; compiled in the kernel tests): a
+        Qwen3-MoE-shaped model's decode and prefill steps, the grouped path (the Pallas kernel
+        on a GPU) against every expert computed for every token (`benchmarks/moe.py`)."""
+        results = self.scratch / "moe"
+        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results))
+        cmd = [sys.executable, "benchmarks/moe.py"]
+        cmd += ["--smoke"] if self.mode == "cpu" else ["--repeats", "5"]
+        log = self.out / "moe.log"
+        status, rc, seconds = run_child(cmd, limit, log, env)
+        where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
+        path = where / "moe.json"
+        report = json.loads(path.read_text()) if status == "PASS" and path.exists() else {}
+        (self.out / "moe.json").write_text(json.dumps(report, indent=2))
+        if not report:
+            return dict(status="FAIL" if status == "PASS" else status, detail=last_line(log))
+        detail = ", ".join(
+            f"{row['step']}: {row['grouped_tok_s']:.0f} tok/s, {row['speedup']:.2f}x dense"
+            for row in report["rows"]
+        )
+        return dict(status=status, seconds=seconds, detail=detail)
 
     def stage_host(self, limit: float) -> dict:
         """The engine's host cost per decode step at 256 rows (issue 41): `host_overhead.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check of the Pallas kernels and of the engine on them, in one device call of
-# under 8 minutes (stage budgets 460 s in all; give the call timeout_s=600). From the repo root:
+# under 9 minutes (stage budgets 520 s in all; give the call timeout_s=600). From the repo root:
 #
 #   OUT=$OUT bash benchmarks/gpu_check.sh
 #
@@ -13,9 +13,10 @@
 #                 and a device copy
 #   engine        a tiny random Llama, Pallas backend, greedy tokens against transformers
 #   host          the engine's host cost per decode step at 256 rows, 1 and 8 steps per dispatch
+#   moe           benchmarks/moe.py: a mixture of experts' steps, grouped matmul vs every expert
 # The PASS/FAIL and GB/s table comes last. Under $OUT: env.txt, memory.log, memory.json,
 # smoke.json, kernel_tests.log, kernel_tests.xml, bench.log, bench.json, engine.json, host.log,
-# host.json, summary.txt.
+# host.json, moe.log, moe.json, summary.txt.
 #
 #   OUT=/tmp/gc bash benchmarks/gpu_check.sh --cpu    # dry run on a CPU (CI: test_gpu_check.py)
 #   ... gpu_check.sh --only bench,engine --budget bench=300   # some stages, e.g. to rerun

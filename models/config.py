@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 MODEL_TYPES = {
@@ -25,6 +28,9 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 # The MLP's activations by their Hugging Face names (`hidden_act` / Gemma's
@@ -33,6 +39,44 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Gemma's family: embeddings scaled by sqrt(hidden), RMSNorms of (1 + w), a norm after the
 # attention and after the MLP as well as before each.
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Per-head RMSNorms of q and k before RoPE.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Mixture-of-experts families, which keep the attention of the dense family they extend.
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token's router picks `top_k` of `num_experts` SwiGLU
+    experts and sums their outputs weighted by its softmax probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # The top-k probabilities renormalized to sum to 1 (Mixtral always, Qwen's
+    # `norm_topk_prob`), or left as they are in the softmax over all experts.
+    normalize_top_k: bool
+    # Per layer: experts (True) or the dense MLP of `ModelConfig.intermediate_size` (Qwen's
+    # `mlp_only_layers` and `decoder_sparse_step`).
+    sparse_layers: tuple[bool, ...]
+    # Qwen2-MoE: a dense expert every token also runs, scaled by sigmoid(x @ gate); 0: none.
+    shared_intermediate_size: int = 0
+    # Every expert computed for every token instead of the grouped matmul: E / k times the
+    # work, for the benchmark's peer (benchmarks/moe.py).
+    dense_experts: bool = False
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def mlp_index(self) -> tuple[int, ...]:
+        """Per layer: its index in the stack of the expert layers' weights where it is
+        sparse, else in the dense layers' stack."""
+        counts, index = [0, 0], []
+        for sparse in self.sparse_layers:
+            index.append(counts[sparse])
+            counts[sparse] += 1
+        return tuple(index)
 
 
 @dataclass(frozen=True)
@@ -68,6 +112,18 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     # Sliding-window layers' own RoPE base (Gemma 3's local layers); None: rope_theta.
     local_rope_theta: float | None = None
+    moe: MoeConfig | None = None  # the MLP's experts, for a mixture-of-experts family
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with the dense MLP of `intermediate_size` (all but the expert layers)."""
+        return len(self.mlp_layers(experts=False))
+
+    def mlp_layers(self, experts: bool) -> tuple[int, ...]:
+        """The layers whose MLP is experts (True) or the dense one (False), in order: the
+        layers each stack of MLP weights is stacked over."""
+        sparse = self.moe.sparse_layers if self.moe else (False,) * self.num_layers
+        return tuple(i for i, s in enumerate(sparse) if s == experts)
 
     @property
     def q_size(self) -> int:
@@ -88,10 +144,21 @@ class ModelConfig:
         return 1.0 if self.architecture in GEMMA_ARCHITECTURES else 0.0
 
     def num_layer_params(self) -> int:
-        """Matmul weights of all decoder layers: the parameters every computed token uses."""
-        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp)
+        """Matmul weights of all decoder layers that every computed token uses (of a
+        mixture of experts: the router and the experts it picks, not all of them)."""
+        H = self.hidden_size  # noqa: N806
+        attn = H * (self.q_size + 2 * self.kv_size) + self.q_size * H
+        dense = self.num_dense_layers * 3 * H * self.intermediate_size
+        sparse = 0
+        if self.moe is not None:
+            m = self.moe
+            per_layer = (
+                H * m.num_experts
+                + 3 * H * (m.top_k * m.intermediate_size + m.shared_intermediate_size)
+                + (H if m.shared_intermediate_size else 0)
+            )
+            sparse = m.num_sparse_layers * per_layer
+        return self.num_layers * attn + dense + sparse
 
     def inv_freq(self, local: bool = False) -> np.ndarray:
         """[head_dim // 2] float32 RoPE inverse frequencies, computed as transformers does;
@@ -165,7 +232,7 @@ def _rope_settings(hf: dict) -> tuple[float, tuple[tuple[str, object], ...]]:
 
 def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
     window = hf.get("sliding_window") or 0
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
     layer_types = hf.get("layer_types")
     if architecture in GEMMA_ARCHITECTURES and window and layer_types:
@@ -173,6 +240,38 @@ def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int,
     if window and hf.get("use_sliding_window") and layer_types:
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     return (0,) * num_layers
+
+
+def _moe_config(hf: dict, architecture: str, num_layers: int) -> MoeConfig | None:
+    """The experts of a mixture-of-experts family's config; None for a dense family."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    mixtral = architecture == "MixtralForCausalLM"
+    if mixtral:  # every layer's MLP is experts of intermediate_size
+        size, sparse = int(hf["intermediate_size"]), (True,) * num_layers
+    else:
+        size = int(hf["moe_intermediate_size"])
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense_only = set(hf.get("mlp_only_layers") or ())
+        sparse = tuple(
+            num_experts > 0 and i not in dense_only and (i + 1) % step == 0
+            for i in range(num_layers)
+        )
+    if not any(sparse):
+        return None
+    top_k = int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=size,
+        normalize_top_k=mixtral or bool(hf.get("norm_topk_prob")),
+        sparse_layers=sparse,
+        shared_intermediate_size=int(shared) if architecture == "Qwen2MoeForCausalLM" else 0,
+    )
 
 
 def _optional_float(value: object) -> float | None:
@@ -207,7 +306,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf.get("intermediate_size") or 0),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -216,8 +315,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             rope_theta=theta,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            attention_bias=architecture == "Qwen2ForCausalLM"
+            or bool(hf.get("attention_bias") or hf.get("qkv_bias")),
+            qk_norm=architecture in QK_NORM_ARCHITECTURES,
             sliding_windows=_sliding_windows(hf, architecture, num_layers),
             rope_scaling=scaling,
             bos_token_id=hf.get("bos_token_id"),
@@ -229,6 +329,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
             local_rope_theta=_local_rope_theta(hf) if gemma else None,
+            moe=_moe_config(hf, architecture, num_layers),
         )
     except KeyError as e:
         raise ModelLoadError(f"config is missing the field {e.args[0]!r}") from e

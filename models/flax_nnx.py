@@ -118,7 +118,8 @@ class LlamaForCausalLM(nnx.Module):
     """Hugging Face's Llama / Mistral / Qwen2 / Qwen3 causal LM in Flax NNX (dense, no cache)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        if config.post_norms or config.scale_embeddings or config.hidden_act != "silu":
+        gemma = config.post_norms or config.scale_embeddings or config.hidden_act != "silu"
+        if gemma or config.moe is not None:
             raise ValueError(
                 f"the Flax NNX module is the Llama family's; {config.architecture} is not: "
                 "train on models.training's functional forward instead"

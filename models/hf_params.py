@@ -17,7 +17,14 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.errors import ModelLoadError
 from models.llama import Params
-from models.loader import FUSED_MATMULS, layer_norms
+from models.loader import FUSED_MATMULS, layer_norms, moe_matmuls, moe_shapes
+
+# transformers v5 holds a mixture's experts fused in memory ([E, 2 I, H] gate and up, [E, H, I]
+# down; Mixtral's router as "mlp.gate" too), though checkpoints keep one tensor per expert.
+IN_MEMORY_EXPERTS = {
+    "experts_gate_up": "mlp.experts.gate_up_proj",
+    "experts_down": "mlp.experts.down_proj",
+}
 
 
 def is_hf_state(params: Mapping) -> bool:
@@ -31,12 +38,13 @@ def param_shapes(config: ModelConfig) -> Params:
     """The pagedjax layout's shapes for `config` (float weights), as a params tree of tuples."""
     L, H, I = config.num_layers, config.hidden_size, config.intermediate_size  # noqa: E741
     Q, KV, V = config.q_size, config.kv_size, config.vocab_size
-    layers = {
-        "wqkv": (L, H, Q + 2 * KV),
-        "wo": (L, Q, H),
-        "w_gate_up": (L, H, 2 * I),
-        "w_down": (L, I, H),
-    }
+    D = config.num_dense_layers  # noqa: N806
+    layers = {"wqkv": (L, H, Q + 2 * KV), "wo": (L, Q, H)}
+    if D:
+        layers.update(w_gate_up=(D, H, 2 * I), w_down=(D, I, H))
+    if config.moe is not None:
+        M = config.moe.num_sparse_layers  # noqa: N806
+        layers.update({name: (M, *shape) for name, shape in moe_shapes(config).items()})
     layers.update({name: (L, width) for name, (_, width) in layer_norms(config).items()})
     if config.attention_bias:
         layers["bqkv"] = (L, Q + 2 * KV)
@@ -77,8 +85,9 @@ def params_from_hf_state(
             raise ModelLoadError(f"the HF state dict has no {name!r}: it does not match the model")
         return jnp.asarray(state[name], dtype)
 
-    def stacked(fn) -> jax.Array:
-        return jnp.stack([fn(f"model.layers.{i}.") for i in range(config.num_layers)])
+    def stacked(fn, kind: bool | None = None) -> jax.Array:
+        """Over all layers, or over the expert (kind True) or the dense (False) layers."""
+        return jnp.stack([fn(f"model.layers.{i}.") for i in _layers(config, kind)])
 
     def fused(parts: tuple[str, ...]):
         return lambda p: jnp.concatenate([get(f"{p}{part}.weight").T for part in parts], axis=1)
@@ -89,7 +98,24 @@ def params_from_hf_state(
         return lambda p: get(f"{p}{hf_name}.weight") + offset
 
     layers = {name: stacked(norm(hf)) for name, (hf, _) in layer_norms(config).items()}
-    layers.update({name: stacked(fused(parts)) for name, parts in FUSED_MATMULS.items()})
+    for name, parts in FUSED_MATMULS.items():
+        kind = None if name in ("wqkv", "wo") else False
+        if _layers(config, kind):
+            layers[name] = stacked(fused(parts), kind)
+    if config.moe is not None:
+        names = moe_matmuls(config)
+        first = f"model.layers.{config.mlp_layers(experts=True)[0]}."
+        if f"{first}{IN_MEMORY_EXPERTS['experts_gate_up']}" in state:  # transformers v5
+            names.update({k: (v,) for k, v in IN_MEMORY_EXPERTS.items()}, router=("mlp.gate",))
+        for name, parts in names.items():
+            if parts[0] in IN_MEMORY_EXPERTS.values():  # [E, out, in] -> [E, in, out]
+                layers[name] = stacked(lambda p, n=parts[0]: get(f"{p}{n}").swapaxes(1, 2), True)
+                continue
+            each = [fused(tuple(p.format(e=e) for p in parts)) for e in _experts(parts, config)]
+            if "{e}" in parts[0]:
+                layers[name] = stacked(lambda p, each=each: jnp.stack([f(p) for f in each]), True)
+            else:
+                layers[name] = stacked(each[0], True)
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(lambda p: jnp.concatenate([get(f"{p}{q}.bias") for q in qkv]))
@@ -123,16 +149,48 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
         for name, (hf_name, _) in layer_norms(config).items():
             state[f"{p}{hf_name}.weight"] = layers[name][i] - offset
         for name, parts in FUSED_MATMULS.items():
-            w = layers[name][i]
-            bounds = _bounds(widths.get(name, (w.shape[1],)))
-            for part, (start, stop) in zip(parts, bounds, strict=True):
-                state[f"{p}{part}.weight"] = w[:, start:stop].T
+            kind = None if name in ("wqkv", "wo") else False
+            if i in _layers(config, kind):
+                w = layers[name][_layers(config, kind).index(i)]
+                _unfuse(state, p, parts, w, widths.get(name, ()))
+        if i in _layers(config, True):
+            j = _layers(config, True).index(i)
+            for name, parts in moe_matmuls(config).items():
+                for e in _experts(parts, config):
+                    w = layers[name][j] if "{e}" not in parts[0] else layers[name][j, e]
+                    named = tuple(part.format(e=e) for part in parts)
+                    _unfuse(state, p, named, w, _moe_widths(config, name))
         if config.attention_bias:
             for part, (start, stop) in zip(
                 FUSED_MATMULS["wqkv"], _bounds((Q, KV, KV)), strict=True
             ):
                 state[f"{p}{part}.bias"] = layers["bqkv"][i, start:stop]
     return state
+
+
+def _layers(config: ModelConfig, experts: bool | None) -> tuple[int, ...]:
+    """All layers (None), or those whose MLP is experts (True) or dense (False)."""
+    return tuple(range(config.num_layers)) if experts is None else config.mlp_layers(experts)
+
+
+def _experts(parts: tuple[str, ...], config: ModelConfig) -> range:
+    """The experts a weight's HF names range over: all, or one where they name none."""
+    return range(config.moe.num_experts) if "{e}" in parts[0] else range(1)
+
+
+def _moe_widths(config: ModelConfig, name: str) -> tuple[int, ...]:
+    m = config.moe
+    return {
+        "experts_gate_up": (m.intermediate_size,) * 2,
+        "shared_gate_up": (m.shared_intermediate_size,) * 2,
+    }.get(name, ())
+
+
+def _unfuse(state: dict, prefix: str, parts: tuple[str, ...], w: jax.Array, widths) -> None:
+    """A fused [in, out] weight back to its HF parts ([out, in] each, of `widths` columns;
+    () for one part) in `state`."""
+    for part, (start, stop) in zip(parts, _bounds(widths or (w.shape[1],)), strict=True):
+        state[f"{prefix}{part}.weight"] = w[:, start:stop].T
 
 
 def _bounds(widths: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -16,10 +16,13 @@ Params are a pytree with the layers stacked on a leading axis:
       post_mlp_norm  [L, H]         Gemma only: after the MLP
       w_gate_up  [L, H, 2 I]        gate and up projections fused at load time
       w_down     [L, I, H]
+      router, experts_gate_up, ...  mixture-of-experts layers' MLP (`models/moe.py`)
     final_norm   [H]
     lm_head      [H, V]             absent when the embeddings are tied and kept as a table
 
-with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. Gemma's differences are
+with Q = num_heads * head_dim and KV = num_kv_heads * head_dim. A mixture of experts stacks
+its expert layers' weights over those layers only, and the dense MLP's (`w_gate_up`,
+`w_down`) over the rest (none where every layer has experts). Gemma's differences are
 config fields (`ModelConfig`: scaled embeddings, post-norms, GeGLU, the attention's scale and
 soft caps, Gemma 3's local RoPE base); its norms' 1 + w is folded into the weights at load.
 The forward scans over layers
@@ -45,6 +48,7 @@ from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
+from models.moe import MOE_WEIGHTS, moe_mlp, swiglu
 from models.weights import LinearWeight, StackedLinearWeight
 
 Params = dict
@@ -178,10 +182,10 @@ def _attention_block(
     return x + out, state
 
 
-def _activation(config: ModelConfig, gate: jax.Array) -> jax.Array:
+def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
     if config.hidden_act == "gelu_pytorch_tanh":  # GeGLU (Gemma)
-        return jax.nn.gelu(gate, approximate=True)
-    return jax.nn.silu(gate)
+        return lambda gate: jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu
 
 
 def _mlp_block(
@@ -189,12 +193,26 @@ def _mlp_block(
     layer_params: Params,
     weights: Params,
     x: jax.Array,
-    layer: jax.Array,
+    mlp_layer: jax.Array,  # [] int32: the layer's index among the dense or the expert layers
+    sparse: jax.Array,  # [] bool: an expert layer
     axis_name: str | None,
 ) -> jax.Array:
     h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
-    gate, up = jnp.split(layer_matmul(h, weights["w_gate_up"], layer), 2, axis=-1)
-    out = layer_matmul(_activation(config, gate) * up, weights["w_down"], layer)
+    activation = _activation(config)
+
+    def dense() -> jax.Array:
+        hidden = swiglu(layer_matmul(h, weights["w_gate_up"], mlp_layer), activation)
+        return layer_matmul(hidden, weights["w_down"], mlp_layer)
+
+    def experts() -> jax.Array:
+        return moe_mlp(config, weights, h, mlp_layer, activation, axis_name)
+
+    if config.moe is None:
+        out = dense()
+    elif config.num_dense_layers == 0:
+        out = experts()
+    else:  # both kinds in one scan: the layer runs one branch
+        out = jax.lax.cond(sparse, experts, dense)
     out = all_reduce(out, axis_name)
     if config.post_norms:
         out = rms_norm(out, layer_params["post_mlp_norm"], config.rms_norm_eps)
@@ -221,25 +239,32 @@ def decoder_layers(
     local = rope_cos_sin(config, positions, local=True) if config.local_rope_theta else None
     if config.scale_embeddings:  # Gemma: by sqrt(hidden), rounded to the activations' dtype
         x = x * jnp.asarray(config.hidden_size**0.5, x.dtype)
-    # Matmul weights are indexed by layer_matmul, inside the body; the rest is scanned over.
-    weights = {name: params["layers"][name] for name in MATMUL_WEIGHTS}
-    scanned = {k: v for k, v in params["layers"].items() if k not in MATMUL_WEIGHTS}
+    # Matmul weights are indexed inside the body (the MLP's by its index among the dense or
+    # the expert layers, which are stacked apart); the rest is scanned over.
+    indexed = MATMUL_WEIGHTS + MOE_WEIGHTS
+    weights = {k: v for k, v in params["layers"].items() if k in indexed}
+    scanned = {k: v for k, v in params["layers"].items() if k not in indexed}
 
     def layer_step(carry, per_layer):
         x, state = carry
-        layer_params, layer, window = per_layer
+        layer_params, layer, window, mlp_layer, sparse = per_layer
         c, s = cos, sin
         if local is not None:  # this layer's table: the local one where it slides
             c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
         x, state = _attention_block(
             config, layer_params, weights, x, c, s, layer, window, attend, state, axis_name
         )
-        return (_mlp_block(config, layer_params, weights, x, layer, axis_name), state), None
+        x = _mlp_block(config, layer_params, weights, x, mlp_layer, sparse, axis_name)
+        return (x, state), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     windows = jnp.asarray(config.sliding_windows or (0,) * config.num_layers, jnp.int32)
+    moe = config.moe
+    mlp_ids = jnp.asarray(moe.mlp_index(), jnp.int32) if moe else layer_ids
+    sparse = jnp.asarray(moe.sparse_layers if moe else (False,) * config.num_layers)
+    per_layer = (scanned, layer_ids, windows, mlp_ids, sparse)
     with matmul_precision(x.dtype):
-        (x, state), _ = jax.lax.scan(layer_step, (x, state), (scanned, layer_ids, windows))
+        (x, state), _ = jax.lax.scan(layer_step, (x, state), per_layer)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), state
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,6 +70,39 @@ FUSED_MATMULS = {
 }
 
 
+def moe_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """A mixture of experts' weights (`models/moe.py`) -> the Hugging Face projections fused
+    into each, within a layer; "{e}" stands for an expert's number."""
+    if config.architecture == "MixtralForCausalLM":  # w1: gate, w3: up, w2: down
+        expert = "block_sparse_moe.experts.{e}."
+        names = {
+            "router": ("block_sparse_moe.gate",),
+            "experts_gate_up": (expert + "w1", expert + "w3"),
+            "experts_down": (expert + "w2",),
+        }
+    else:
+        names = {
+            "router": ("mlp.gate",),
+            "experts_gate_up": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),
+            "experts_down": ("mlp.experts.{e}.down_proj",),
+        }
+    if config.moe.shared_intermediate_size:
+        names["shared_gate_up"] = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
+        names["shared_down"] = ("mlp.shared_expert.down_proj",)
+        names["shared_gate"] = ("mlp.shared_expert_gate",)
+    return names
+
+
+def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each expert layer's shape of the weights `moe_matmuls` names (without the layer axis)."""
+    H, m = config.hidden_size, config.moe  # noqa: N806
+    E, I, Is = m.num_experts, m.intermediate_size, m.shared_intermediate_size  # noqa: E741, N806
+    shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H)}
+    if Is:
+        shapes.update(shared_gate_up=(H, 2 * Is), shared_down=(Is, H), shared_gate=(H, 1))
+    return shapes
+
+
 def layer_norms(config: ModelConfig) -> dict[str, tuple[str, int]]:
     """Our per-layer RMSNorm weights -> (their Hugging Face name within a layer, width). Gemma
     puts a norm after the attention and the MLP as well as before them, and names the one
@@ -117,10 +150,14 @@ def _stack_params(
     host_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes' numpy type
     to_array = np.asarray if on_host else jnp.asarray
 
-    def stacked(shape: tuple[int, ...], layer: Callable[[str], np.ndarray]) -> jax.Array:
-        buffer = np.empty((L, *shape), host_dtype)
-        for i in range(L):
-            buffer[i] = layer(f"model.layers.{i}.")
+    def stacked(
+        shape: tuple[int, ...],
+        layer: Callable[[str], np.ndarray],
+        indices: Sequence[int] = range(L),
+    ) -> jax.Array:
+        buffer = np.empty((len(indices), *shape), host_dtype)
+        for j, i in enumerate(indices):
+            buffer[j] = layer(f"model.layers.{i}.")
         return to_array(buffer)
 
     def fused(parts: tuple[str, ...], width: int) -> Callable[[str], np.ndarray]:
@@ -151,9 +188,32 @@ def _stack_params(
 
     norms = layer_norms(config)
     layers = {name: stacked((width,), norm(hf)) for name, (hf, width) in norms.items()}
+    dense_layers = config.mlp_layers(experts=False)
     for name, parts in FUSED_MATMULS.items():
         shape = matmul_shapes[name]
-        layers[name] = blocks[name] if name in blocks else stacked(shape, fused(parts, shape[1]))
+        if name in blocks:
+            layers[name] = blocks[name]
+        elif name in ("wqkv", "wo") or len(dense_layers) == L:
+            layers[name] = stacked(shape, fused(parts, shape[1]))
+        elif dense_layers:  # a mixture of experts' dense layers only
+            layers[name] = stacked(shape, fused(parts, shape[1]), dense_layers)
+    if config.moe is not None:
+        expert_layers = config.mlp_layers(experts=True)
+        shapes = moe_shapes(config)
+        for name, parts in moe_matmuls(config).items():
+            shape = shapes[name]
+            if "{e}" not in parts[0]:
+                layers[name] = stacked(shape, fused(parts, shape[-1]), expert_layers)
+                continue
+
+            def experts(p: str, parts=parts, width=shape[-1]) -> np.ndarray:
+                each = [
+                    fused(tuple(part.format(e=e) for part in parts), width)(p)
+                    for e in range(config.moe.num_experts)
+                ]
+                return np.stack(each)
+
+            layers[name] = stacked(shape, experts, expert_layers)
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(

@@ -6,17 +6,21 @@ Each of T shards holds:
     w_gate_up     its slice of the MLP's gate and up columns (column parallel)
     wo            the rows of its query heads                (row parallel: partial sums)
     w_down        the rows of its MLP slice                  (row parallel: partial sums)
+    experts_*     E / T whole experts (expert parallel: a partial sum of its experts' share)
+    shared_*      its slice of Qwen2-MoE's shared expert, as the MLP's (router: replicated)
     embed         a contiguous slice of the vocabulary's rows
     lm_head       the same slice of the vocabulary's columns
     norms         all of them (replicated)
     KV pool       its KV heads' pages of every block ([L, Hkv/T, blocks, block_size, D])
 
 so a layer runs on the shard's heads with no communication until its two row-parallel
-products, each summed over the group by one all-reduce (`models.llama.all_reduce`); the
-vocabulary-parallel lookup is one more all-reduce and the logits one all-gather per step. The
-forward runs under `shard_map` with the shard's own `ModelConfig` (its heads, MLP width and
-vocabulary), so the model code and the attention kernels see ordinary, smaller shapes, and the
-block tables and the block manager stay single and on the host.
+products (a mixture's experts: each shard routes every token, it holds them all, and runs
+those sent to its own experts), each summed over the group by one all-reduce
+(`models.llama.all_reduce`); the vocabulary-parallel lookup is one more all-reduce and the
+logits one all-gather per step. The forward runs under `shard_map` with the shard's own
+`ModelConfig` (its heads, MLP width and vocabulary), so the model code and the attention
+kernels see ordinary, smaller shapes, and the block tables and the block manager stay single
+and on the host.
 
 Fused weights are reordered at load time so that each shard's columns are contiguous and in
 the model's own order (`[q | k | v]` and `[gate | up]` of its heads), and the model splits
@@ -54,6 +58,10 @@ _SPLIT_AXIS = {
     "wo": 1,
     "w_gate_up": 2,
     "w_down": 1,
+    "experts_gate_up": 1,  # expert parallel: a contiguous slice of the experts
+    "experts_down": 1,
+    "shared_gate_up": 2,
+    "shared_down": 1,
 }
 
 
@@ -80,12 +88,16 @@ class TensorParallel:
     def local_config(self) -> ModelConfig:
         """One shard's model: its heads, its slice of the MLP and of the vocabulary."""
         c, t = self.config, self.size
+        moe = c.moe and replace(
+            c.moe, shared_intermediate_size=c.moe.shared_intermediate_size // t
+        )  # the experts themselves are split whole (their count stays the router's)
         return replace(
             c,
             num_heads=c.num_heads // t,
             num_kv_heads=c.num_kv_heads // t,
             intermediate_size=c.intermediate_size // t,
             vocab_size=c.vocab_size // t,
+            moe=moe,
         )
 
     def param_specs(self, params: Params) -> Params:
@@ -143,8 +155,14 @@ def tensor_parallel_config(config: ModelConfig, size: int) -> tuple[ModelConfig,
     problems = []
     if config.num_heads % size:
         problems.append(f"num_attention_heads {config.num_heads}")
-    if config.intermediate_size % size:
+    if config.num_dense_layers and config.intermediate_size % size:
         problems.append(f"intermediate_size {config.intermediate_size}")
+    if config.moe is not None:
+        if config.moe.num_experts % size:
+            problems.append(f"the {config.moe.num_experts} experts")
+        if config.moe.shared_intermediate_size % size:
+            shared = config.moe.shared_intermediate_size
+            problems.append(f"shared_expert_intermediate_size {shared}")
     kv_heads = math.lcm(config.num_kv_heads, size)
     if not problems and config.num_heads % kv_heads:
         problems.append(
@@ -197,8 +215,10 @@ def layout_params(params: Params, config: ModelConfig, size: int) -> Params:
     layers["wqkv"] = qkv(layers["wqkv"], 2)
     if "bqkv" in layers:
         layers["bqkv"] = qkv(layers["bqkv"], 1)
-    gate_up = xp.split(xp.asarray(layers["w_gate_up"]), 2, axis=2)
-    layers["w_gate_up"] = shard_major(gate_up, size, 2, xp)
+    for name in ("w_gate_up", "shared_gate_up"):  # each shard's [gate | up] columns
+        if name in layers:
+            gate_up = xp.split(xp.asarray(layers[name]), 2, axis=2)
+            layers[name] = shard_major(gate_up, size, 2, xp)
     out["layers"] = layers
     pad = tp_config.vocab_size - config.vocab_size
     if pad and "embed" in out:

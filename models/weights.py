@@ -1,13 +1,15 @@
 """Weights that know how to multiply: what `models.llama` accepts in place of a plain array.
 
-The model uses a weight in three ways, and any pytree type with the matching methods can stand
+The model uses a weight in four ways, and any pytree type with the matching methods can stand
 for one (a platform packs weights into its own types at load time, see `pagedjax/platforms/`):
 
 - `matmul(x [M, K]) -> [M, N]`: the LM head;
 - `layer_matmul(x [M, K], layer) -> [M, N]`: a weight stacked over layers, multiplied inside
   the layer scan (`layer` is traced);
 - `take_columns(ids [R]) -> [R, K]`: a tied LM head serving the token lookup, so the
-  embedding table is not held twice.
+  embedding table is not held twice;
+- `grouped_matmul(x [P, K], layer, tile_experts, num_tiles) -> [P, N]`: a mixture of
+  experts' weights, each tile of rows times its expert's (`models/moe.py`).
 
 `QuantizedLinear` keeps GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file stores
 them and widens them in XLA for each product. code x scale + offset is exact in float32, so
@@ -39,6 +41,19 @@ class StackedLinearWeight(Protocol):
     """L weights [K, N] stacked over layers, multiplied one layer at a time."""
 
     def layer_matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array: ...  # [M, K] -> [M, N]
+
+
+@runtime_checkable
+class GroupedLinearWeight(Protocol):
+    """Experts' weights [M, E, K, N] stacked over the expert layers: rows sorted by expert in
+    tiles (`kernels_pallas/grouped_matmul.py`) times their tile's expert of layer `layer`."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...  # [M, E, K, N]
+
+    def grouped_matmul(
+        self, x: jax.Array, layer: jax.Array, tile_experts: jax.Array, num_tiles: jax.Array
+    ) -> jax.Array: ...  # [P, K] -> [P, N]
 
 
 def widen_blocks(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int) -> jax.Array:

@@ -84,6 +84,46 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # Mixtures of experts. Qwen3-MoE: 3 of 8 experts renormalized (norm_topk_prob), the
+    # middle layer dense (mlp_only_layers); Qwen2-MoE: a sigmoid-gated shared expert, q/k/v
+    # biases, the raw top-2 probabilities, experts every other layer (decoder_sparse_step);
+    # Mixtral: 2 of 4 renormalized, a sliding window.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            num_hidden_layers=4,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            sliding_window=9,
+        ),
+    ),
 }
 
 _BASE = dict(

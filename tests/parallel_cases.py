@@ -4,7 +4,7 @@ JAX fixes its device count when it starts, so the tests cannot make 8 CPU device
 pytest process: this script sets XLA_FLAGS before importing JAX, runs the cases and prints
 one JSON line of results for the tests to check.
 
-    python tests/parallel_cases.py engines MODEL_DIR WINDOW_MODEL_DIR
+    python tests/parallel_cases.py engines MODEL_DIR WINDOW_MODEL_DIR MOE_MODEL_DIR
     python tests/parallel_cases.py process MODEL_DIR COORDINATOR NUM_PROCESSES PROCESS_ID
 """
 
@@ -157,6 +157,33 @@ def draft_case(model_dir: str) -> dict:
     }
 
 
+def expert_parallel_case(model_dir: str) -> dict:
+    """A mixture of experts (Qwen2-MoE: expert layers between dense ones, a shared expert) on
+    one device and split over two (experts whole, E / 2 a device): greedy tokens with n=2,
+    preemption and prefix hits; each device's bytes of the expert weights; the collectives."""
+    from models.moe import MOE_WEIGHTS
+    from models.tensor_parallel import count_collectives
+    from pagedjax import LLM
+
+    result = {}
+    for tp in (1, 2):
+        llm = LLM(model_dir, tensor_parallel_size=tp, **SMALL_POOL)
+        stats_before = llm.llm_engine.stats()["num_preemptions"]
+        result[f"tokens/{tp}"] = generate(llm, case_params())
+        result[f"preemptions/{tp}"] = llm.llm_engine.stats()["num_preemptions"] - stats_before
+    worker = llm.llm_engine.workers[0]
+    layers = worker.params["layers"]
+    result["expert_bytes"] = {
+        name: [layers[name].nbytes, [s.data.nbytes for s in layers[name].addressable_shards]]
+        for name in MOE_WEIGHTS
+    }
+    result["collectives"] = {
+        tokens: count_collectives(worker.runner.lower_step(tokens).compile().as_text())
+        for tokens in (1, 64)
+    }
+    return result
+
+
 def jax_devices(tree) -> set:
     import jax
 
@@ -190,7 +217,7 @@ def async_case(model_dir: str) -> list[list[int]]:
 def main() -> None:
     mode = sys.argv[1]
     if mode == "engines":
-        model_dir, window_dir = sys.argv[2], sys.argv[3]
+        model_dir, window_dir, moe_dir = sys.argv[2:5]
         results = {
             f"llama/{tp}x{dp}": engine_case(model_dir, tp, dp)
             for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))
@@ -200,6 +227,7 @@ def main() -> None:
         results["layout"] = layout_case(model_dir, 2)
         results["async/1x2"] = async_case(model_dir)
         results["draft/1x2"] = draft_case(model_dir)
+        results["experts"] = expert_parallel_case(moe_dir)
     else:
         from pagedjax import LLM
 

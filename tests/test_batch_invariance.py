@@ -152,6 +152,9 @@ def test_batch_invariant_refusals(tiny):
     llm = LLM(str(path), max_model_len=64)
     with pytest.raises(ValueError, match="batch_invariant=True"):
         llm.dense_kernels()
+    moe, *_ = tiny("mixtral")
+    with pytest.raises(ValueError, match="no batch-invariant expert kernel"):
+        LLM(str(moe), max_model_len=64, batch_invariant=True)
 
 
 def test_vllms_environment_variable_turns_it_on(monkeypatch):

@@ -23,6 +23,7 @@ RUN_ELSEWHERE = {
     "gpu_check": "tests/test_gpu_check.py runs gpu_check.sh's dry run, which runs it",
     "paged_kernels": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",
     "load_memory": "tests/test_loader.py measures a checkpoint with its functions",
+    "moe": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",
 }
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in LIBRARIES)
 

@@ -68,11 +68,12 @@ def test_greedy_matches_transformers(tiny, name):
         assert tokens == hf_greedy(hf_model, prompt, 10)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, name):
-    """Gemma 2 (soft caps, post-norms, every other layer sliding over 7 keys) and Gemma 3
-    (qk-norms, local and global RoPE) give transformers' greedy tokens with chunked prefill,
-    preemption, prefix-cache hits (prompts sharing a 24-token prefix) and n = 2."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_family_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, name):
+    """Gemma 2 (soft caps, post-norms, every other layer sliding over 7 keys), Gemma 3
+    (qk-norms, local and global RoPE) and the mixtures of experts (conftest's TINY_MODELS) give
+    transformers' greedy tokens with chunked prefill, preemption, prefix-cache hits (prompts
+    sharing a 24-token prefix) and n = 2."""
     rng = np.random.default_rng(5)
     shared = rng.integers(3, 128, 24).tolist()
     prompts = [shared + rng.integers(3, 128, n).tolist() for n in (3, 9, 14, 20)]

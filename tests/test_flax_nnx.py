@@ -113,7 +113,8 @@ def test_trained_module_generates_through_the_engine(tiny):
     assert generate() == untrained
 
 
-def test_a_gemma_config_is_refused_saying_what_to_use(tiny):
-    config = tiny("gemma2")[2]
-    with pytest.raises(ValueError, match="Llama family's; Gemma2ForCausalLM is not"):
+@pytest.mark.parametrize("name,architecture", [("gemma2", "Gemma2"), ("mixtral", "Mixtral")])
+def test_other_families_are_refused_saying_what_to_use(tiny, name, architecture):
+    config = tiny(name)[2]
+    with pytest.raises(ValueError, match=f"Llama family's; {architecture}ForCausalLM is not"):
         LlamaForCausalLM(config, rngs=nnx.Rngs(0))

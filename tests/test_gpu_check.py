@@ -19,7 +19,7 @@ import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processe
 
 FILES = {"env.txt", "memory.log", "memory.json", "smoke.json", "kernel_tests.log",
          "kernel_tests.xml", "bench.log", "bench.json", "engine.json", "host.log", "host.json",
-         "summary.txt"}  # fmt: skip
+         "moe.log", "moe.json", "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

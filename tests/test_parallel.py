@@ -40,7 +40,8 @@ def results_of(process: subprocess.Popen, timeout: float = 600) -> dict:
 def cases(tiny_model_dir) -> dict:
     llama, _ = tiny_model_dir("llama")  # 4 query heads, 2 KV heads
     window, _ = tiny_model_dir("mistral_window")  # 4 query heads, 1 KV head
-    return results_of(run_cases("engines", str(llama), str(window)))
+    moe, _ = tiny_model_dir("qwen2_moe")  # 6 experts, a shared one, dense layers between
+    return results_of(run_cases("engines", str(llama), str(window), str(moe)))
 
 
 @pytest.mark.slow
@@ -137,6 +138,24 @@ def test_the_compiled_step_holds_the_expected_collectives(cases):
 
 
 @pytest.mark.slow
+def test_experts_split_over_devices_give_the_same_tokens(cases):
+    """Expert parallelism on the tensor-parallel axis: each of two devices holds 3 of the 6
+    experts (and half the shared expert), routes every token and computes its own experts'
+    share; one all-reduce completes the MLP as it does a dense one, so the step's collectives
+    are the dense model's. Greedy tokens equal one device's, through n=2 and preemption."""
+    experts = cases["experts"]
+    assert experts["tokens/2"] == experts["tokens/1"]
+    assert experts["preemptions/2"] > 0
+    for name, (total, shards) in experts["expert_bytes"].items():
+        split = name not in ("router", "shared_gate")
+        assert shards == [total // 2] * 2 if split else [total] * 2, name
+    dense_step = {"all-reduce": 3, "all-gather": 1, "reduce-scatter": 0,
+                  "collective-permute": 0, "all-to-all": 0}  # fmt: skip
+    for tokens, counts in experts["collectives"].items():
+        assert counts == dense_step, tokens
+
+
+@pytest.mark.slow
 def test_the_tensor_parallel_step_lowers_for_cuda_with_the_pallas_kernels(cases):
     if not cases["layout"]["cuda"]:
         pytest.skip("jax >= 0.11 lowers Triton for a GPU it sees (the GPU check)")
@@ -212,6 +231,19 @@ def test_a_split_that_does_not_divide_says_what(heads, kv_heads, size, named):
     )
     with pytest.raises(TensorParallelError, match=named):
         tensor_parallel_config(config, size)
+
+
+def test_experts_that_do_not_divide_say_so():
+    from models.config import ModelConfig, MoeConfig
+    from models.tensor_parallel import TensorParallelError, tensor_parallel_config
+
+    moe = MoeConfig(6, 2, 32, False, (True, True), shared_intermediate_size=20)
+    config = ModelConfig(
+        "Qwen2MoeForCausalLM", 100, 64, 0, 2, 8, 8, 8, 1e-6, 1e4, 128, False, moe=moe
+    )
+    assert tensor_parallel_config(config, 2)[0].moe == moe  # no dense MLP to divide
+    with pytest.raises(TensorParallelError, match="the 6 experts and .*intermediate_size 20"):
+        tensor_parallel_config(config, 8)
 
 
 def test_too_few_devices_is_a_clear_error_before_loading(tiny_model_dir):

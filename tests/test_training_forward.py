@@ -23,8 +23,10 @@ def padded_batch(sequences: list[list[int]], pad_id: int = 0) -> np.ndarray:
 
 
 # Plain Llama (GQA), sliding windows shorter than the sequences, Qwen3's qk-norm and tied head,
-# Gemma 2's soft caps and post-norms.
-@pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen3", "gemma2", "gemma3"])
+# Gemma 2's soft caps and post-norms, a mixture of experts (Qwen2-MoE: routed and shared).
+@pytest.mark.parametrize(
+    "name", ["llama", "mistral_window", "qwen3", "gemma2", "gemma3", "qwen2_moe"]
+)
 def test_dense_logits_match_transformers(name, tiny):
     _, hf_model, config, params = tiny(name)
     rng = np.random.default_rng(3)
@@ -66,8 +68,10 @@ def test_engine_sampled_logprobs_match_token_logprobs(tiny):
     assert gap < 1e-5
 
 
-def test_gradients_are_finite_and_nonzero_for_every_parameter(tiny):
-    _, _, config, params = tiny("qwen2")  # the q/k/v biases too
+# Qwen2: the q/k/v biases too; Qwen2-MoE: the router and experts, through the grouped matmul.
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_moe"])
+def test_gradients_are_finite_and_nonzero_for_every_parameter(tiny, name):
+    _, _, config, params = tiny(name)
     rng = np.random.default_rng(5)
     sequences = [rng.integers(0, config.vocab_size, n).tolist() for n in LENGTHS]
     token_ids = padded_batch(sequences)

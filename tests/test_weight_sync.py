@@ -199,3 +199,26 @@ def test_gemmas_hf_names_and_norm_offsets_go_both_ways(tiny, name):
     back = hf_state_from_params(config, params)
     for name, value in back.items():
         np.testing.assert_allclose(np.asarray(value), np.asarray(state[name]), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_expert_weights_go_both_ways_in_either_naming(tiny, name):
+    """A mixture's experts in transformers v5's in-memory names (fused [E, 2I, H] gate_up,
+    Mixtral's router as "mlp.gate") and in the checkpoint's (one tensor per expert) become
+    the loader's params; back, they take the checkpoint's names. Qwen2-MoE brings its shared
+    expert and dense layers between the expert ones."""
+    from safetensors.numpy import load_file
+
+    path, hf_model, config, loaded = tiny(name)
+    in_memory = {k: jnp.asarray(p.detach().numpy()) for k, p in hf_model.state_dict().items()}
+    on_disk = load_file(str(path / "model.safetensors"))
+    assert set(in_memory) != set(on_disk)
+    for state in (in_memory, on_disk):
+        params = params_from_hf_state(config, state)
+        for key, value in jax.tree_util.tree_leaves_with_path(loaded):
+            got = functools.reduce(lambda tree, k: tree[k.key], key, params)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=str(key))
+    back = hf_state_from_params(config, params)
+    assert set(back) == set(on_disk)
+    for key, value in back.items():
+        np.testing.assert_array_equal(np.asarray(value), on_disk[key], err_msg=key)

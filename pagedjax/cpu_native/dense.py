@@ -78,7 +78,7 @@ def prepare(params: Params) -> Params:
     structure (`matmul.pack_params`); weights a platform already packed stay as they are."""
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        if isinstance(layers[name], jax.Array):
+        if isinstance(layers.get(name), jax.Array):
             layers[name] = KernelLayers(layers[name])
     head = params.get("lm_head")
     if head is None:  # tied: the engine multiplies the embeddings' transpose

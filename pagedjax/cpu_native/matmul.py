@@ -155,7 +155,8 @@ def pack_params(params: Params) -> Params:
     is the embeddings' transpose and replaces them (its `take_columns` serves the lookup)."""
     layers = dict(params["layers"])
     for name in MATMUL_WEIGHTS:
-        layers[name] = _pack_stacked(layers[name])
+        if name in layers:  # a mixture of experts may have no dense MLP
+            layers[name] = _pack_stacked(layers[name])
     if "lm_head" in params:
         rest, head = params, params["lm_head"]
     else:

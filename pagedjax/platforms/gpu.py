@@ -22,6 +22,7 @@ from pagedjax.sampler import XLA_SAMPLING, SamplingKernels
 
 if TYPE_CHECKING:
     from kernels_pallas.backend import AttentionBackend
+    from models.llama import Params
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,18 @@ class GpuPlatform(Platform):
             "invariant mode (paged_attention(invariant=True)), but XLA's GPU matmuls choose "
             "their reduction order by shape; drop batch_invariant, or run on the CPU"
         )
+
+    def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
+        """A mixture's expert weights multiply by the Pallas grouped matmul where their widths
+        tile in blocks of 16 (else XLA's gathered tiles, as on the CPU)."""
+        from kernels_pallas.grouped_matmul import PallasExperts
+
+        layers = dict(params["layers"])
+        for name in ("experts_gate_up", "experts_down"):
+            weight = layers.get(name)
+            if isinstance(weight, jax.Array) and all(d % 16 == 0 for d in weight.shape[2:]):
+                layers[name] = PallasExperts(weight)
+        return {**params, "layers": layers}
 
     def kv_budget_bytes(
         self,

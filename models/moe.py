@@ -1,0 +1,151 @@
+"""The mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): route, run the chosen experts
+as one grouped matmul, add their outputs by routing weight.
+
+Its weights, stacked over the M expert layers (a layer's index among them: `layer` below):
+
+    router           [M, H, E]
+    experts_gate_up  [M, E, H, 2 I]    each expert's gate and up projections, fused
+    experts_down     [M, E, I, H]
+    shared_gate_up   [M, H, 2 Is]      Qwen2-MoE's shared expert only
+    shared_down      [M, Is, H]
+    shared_gate      [M, H, 1]
+
+The experts run on tokens sorted by expert in tiles (`kernels_pallas/grouped_matmul.py`): the
+work is T x k rows, not T x E. An expert weight may be a type of the platform's with a
+`grouped_matmul` method (the GPU's Pallas kernel), else XLA gathers each tile's weight.
+`moe_mlp_dense` computes every expert for every token instead: the benchmark's peer and the
+tests' second opinion.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.grouped_matmul import (
+    ExpertTiles,
+    expert_tiles,
+    grouped_matmul_xla,
+    tile_rows,
+)
+from models.config import ModelConfig, MoeConfig
+from models.weights import GroupedLinearWeight
+
+Weights = dict  # name -> a weight stacked over the expert layers (see the module docstring)
+
+MOE_WEIGHTS = (
+    "router",
+    "experts_gate_up",
+    "experts_down",
+    "shared_gate_up",
+    "shared_down",
+    "shared_gate",
+)
+
+
+def route(moe: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int32): the top-k of
+    the softmax over all experts in float32 (as transformers computes it), renormalized to
+    sum to 1 where the config says so. Ties go to the lower expert, as torch.topk's."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    if moe.normalize_top_k:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def expert_matmul(
+    x: jax.Array,  # [P, K] rows sorted by expert, in tiles
+    weight: jax.Array | GroupedLinearWeight,  # [M, E, K, N]
+    layer: jax.Array,  # [] int32, among the expert layers
+    tiles: ExpertTiles,
+) -> jax.Array:  # [P, N]
+    """Each tile's rows times its expert's weight, the platform's way."""
+    if isinstance(weight, GroupedLinearWeight):
+        return weight.grouped_matmul(x, layer, tiles.tile_experts, tiles.num_tiles)
+    num_experts = weight.shape[1]
+    groups = weight.reshape(-1, *weight.shape[2:])  # the layers' experts: [M x E, K, N]
+    return grouped_matmul_xla(x, groups, layer * num_experts + tiles.tile_experts)
+
+
+def swiglu(gate_up: jax.Array, activation) -> jax.Array:
+    """[..., 2 I] fused gate and up -> act(gate) x up [..., I]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return activation(gate) * up
+
+
+def _shared_expert(weights: Weights, h: jax.Array, layer: jax.Array, activation) -> jax.Array:
+    """Qwen2-MoE's shared expert, scaled by sigmoid(h @ gate): [T, H] -> [T, H]."""
+    hidden = swiglu(h @ weights["shared_gate_up"][layer], activation)
+    out = hidden @ weights["shared_down"][layer]
+    return jax.nn.sigmoid(h @ weights["shared_gate"][layer]) * out
+
+
+def moe_mlp(
+    config: ModelConfig,
+    weights: Weights,
+    h: jax.Array,  # [T, H] normed activations
+    layer: jax.Array,  # [] int32, among the expert layers
+    activation,
+    axis_name: str | None = None,
+) -> jax.Array:  # [T, H]
+    """The experts' sum for each token, from a grouped matmul over its k assignments.
+
+    Expert parallel (under `shard_map` over `axis_name`): the shard holds a contiguous slice
+    of the experts and every token (a tensor-parallel group's activations are replicated);
+    it routes all of them, computes the assignments to its own experts, and returns its
+    partial sum, which the caller's all-reduce completes, as it does the dense MLP's."""
+    moe = config.moe
+    if moe.dense_experts:
+        return moe_mlp_dense(config, weights, h, layer, activation)
+    num_tokens = h.shape[0]
+    routing, experts = route(moe, h @ weights["router"][layer])
+    here = weights["experts_gate_up"].shape[1]  # a shard's own experts
+    if axis_name is not None:  # experts elsewhere go to the dropped group, weighted 0
+        local = experts - jax.lax.axis_index(axis_name) * here
+        mine = (local >= 0) & (local < here)
+        experts, routing = jnp.where(mine, local, here), jnp.where(mine, routing, 0.0)
+    tile = tile_rows(num_tokens * moe.top_k, here)
+    tiles = expert_tiles(experts, here, tile, dropped=axis_name is not None)
+    rows = h[tiles.rows]  # [P, H]
+    hidden = swiglu(expert_matmul(rows, weights["experts_gate_up"], layer, tiles), activation)
+    out = expert_matmul(hidden, weights["experts_down"], layer, tiles)  # [P, H]
+    picked = out[tiles.positions].astype(jnp.float32)  # [T, k, H]
+    # A dropped assignment's row is zeros (the kernel) or unread products (XLA): select, so
+    # not even a non-finite one could leak through its zero weight.
+    picked = jnp.where(routing[:, :, None] > 0, picked, 0.0)
+    total = _weighted_sum(picked, routing).astype(h.dtype)
+    if moe.shared_intermediate_size:
+        total = total + _shared_expert(weights, h, layer, activation)
+    return total
+
+
+def _weighted_sum(picked: jax.Array, routing: jax.Array) -> jax.Array:
+    """sum_j routing[t, j] x picked[t, j] in j's order: [T, k, H], [T, k] -> [T, H] float32.
+    Elementwise adds, so a token's sum never depends on the step's shape."""
+    total = picked[:, 0] * routing[:, 0, None]
+    for j in range(1, picked.shape[1]):
+        total = total + picked[:, j] * routing[:, j, None]
+    return total
+
+
+def moe_mlp_dense(
+    config: ModelConfig,
+    weights: Weights,
+    h: jax.Array,
+    layer: jax.Array,
+    activation,
+) -> jax.Array:
+    """`moe_mlp` with every expert computed for every token ([E, T, ...]) and each token's k
+    picked from them: E / k times the work, the same sums."""
+    moe = config.moe
+    routing, experts = route(moe, h @ weights["router"][layer])
+    hidden = swiglu(jnp.einsum("th,ehn->etn", h, weights["experts_gate_up"][layer]), activation)
+    out = jnp.einsum("etn,enh->eth", hidden, weights["experts_down"][layer])  # [E, T, H]
+    picked = jnp.take_along_axis(jnp.moveaxis(out, 0, 1), experts[:, :, None], axis=1).astype(
+        jnp.float32
+    )  # [T, k, H]
+    total = _weighted_sum(picked, routing).astype(h.dtype)
+    if moe.shared_intermediate_size:
+        total = total + _shared_expert(weights, h, layer, activation)
+    return total

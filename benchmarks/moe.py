@@ -90,8 +90,9 @@ def time_step(config, params, platform, num_seqs: int, q_len: int, context: int,
     cache = allocate_kv_cache(spec, 1 + num_seqs * blocks_each, block_size)
     attention = platform.attention_backend(
         "auto",
-        AttentionSpec(config.num_heads, config.num_kv_heads, config.head_dim, "float32",
-                      block_size),  # fmt: skip
+        AttentionSpec(
+            config.num_heads, config.num_kv_heads, config.head_dim, "float32", block_size
+        ),  # fmt: skip
     )
     tables = [list(range(1 + s * blocks_each, 1 + (s + 1) * blocks_each)) for s in range(num_seqs)]
     metadata = build_metadata([q_len] * num_seqs, [seq_len] * num_seqs, tables, block_size)

@@ -681,22 +681,31 @@ class Check:
             detail = last_line(log)
         return dict(status=result["status"], seconds=seconds, detail=detail)
 
+    def run_benchmark(
+        self, stage: str, args: list[str], result: str, limit: float
+    ) -> tuple[str, float, dict]:
+        """A benchmark script's run as a stage: (status, seconds, its report or {}); the log
+        and the report go to $OUT as STAGE.log and STAGE.json."""
+        results = self.scratch / stage
+        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results), TMPDIR=str(self.scratch))
+        log = self.out / f"{stage}.log"
+        status, rc, seconds = run_child([sys.executable, *args], limit, log, env)
+        where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
+        path = where / f"{result}.json"
+        report = json.loads(path.read_text()) if status == "PASS" and path.exists() else {}
+        (self.out / f"{stage}.json").write_text(json.dumps(report, indent=2))
+        if not report and status == "PASS":
+            status = "FAIL"
+        return status, seconds, report
+
     def stage_moe(self, limit: float) -> dict:
         """The experts' grouped matmul (issue 43; compiled in the kernel tests): a
         Qwen3-MoE-shaped model's decode and prefill steps, the grouped path (the Pallas kernel
         on a GPU) against every expert computed for every token (`benchmarks/moe.py`)."""
-        results = self.scratch / "moe"
-        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results))
-        cmd = [sys.executable, "benchmarks/moe.py"]
-        cmd += ["--smoke"] if self.mode == "cpu" else ["--repeats", "5"]
-        log = self.out / "moe.log"
-        status, rc, seconds = run_child(cmd, limit, log, env)
-        where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
-        path = where / "moe.json"
-        report = json.loads(path.read_text()) if status == "PASS" and path.exists() else {}
-        (self.out / "moe.json").write_text(json.dumps(report, indent=2))
+        args = ["benchmarks/moe.py"] + (["--smoke"] if self.mode == "cpu" else ["--repeats", "5"])
+        status, seconds, report = self.run_benchmark("moe", args, "moe", limit)
         if not report:
-            return dict(status="FAIL" if status == "PASS" else status, detail=last_line(log))
+            return dict(status=status, detail=last_line(self.out / "moe.log"))
         detail = ", ".join(
             f"{row['step']}: {row['grouped_tok_s']:.0f} tok/s, {row['speedup']:.2f}x dense"
             for row in report["rows"]
@@ -707,18 +716,11 @@ class Check:
         """The engine's host cost per decode step at 256 rows (issue 41): `host_overhead.py
         --generate` on a model whose device work is small, one decode step per dispatch and 8,
         async scheduling on; the CPU dry run takes its smoke sizes."""
-        results = self.scratch / "host"
-        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results), TMPDIR=str(self.scratch))
-        cmd = [sys.executable, "benchmarks/host_overhead.py", "--generate", "--async-only"]
-        cmd += ["--smoke"] if self.mode == "cpu" else ["--steps", "64"]
-        log = self.out / "host.log"
-        status, rc, seconds = run_child(cmd, limit, log, env)
-        where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
-        path = where / "host_overhead_generate.json"
-        report = json.loads(path.read_text()) if status == "PASS" and path.exists() else {}
-        (self.out / "host.json").write_text(json.dumps(report, indent=2))
+        args = ["benchmarks/host_overhead.py", "--generate", "--async-only"]
+        args += ["--smoke"] if self.mode == "cpu" else ["--steps", "64"]
+        status, seconds, report = self.run_benchmark("host", args, "host_overhead_generate", limit)
         if not report:
-            return dict(status="FAIL" if status == "PASS" else status, detail=last_line(log))
+            return dict(status=status, detail=last_line(self.out / "host.log"))
         detail = ", ".join(
             f"{k}: {report[f'{k}_async_on_ms_per_token_step']:.2f} ms/token-step "
             f"(host {report[f'{k}_async_on_host_ms_per_token_step']:.2f})"

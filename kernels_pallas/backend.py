@@ -29,6 +29,7 @@ class AttentionSpec:
     head_dim: int
     kv_dtype: str  # a jnp dtype name: "float32", "bfloat16", "float8_e4m3fn", ...
     block_size: int
+    sinks: bool = False  # the model's softmax has a sink logit per head (gpt-oss)
 
 
 @runtime_checkable
@@ -62,6 +63,7 @@ class AttentionBackend(Protocol):
         sliding_window: jax.Array | int | None = None,  # 0 or None: unlimited
         soft_cap: float | None = None,
         decode_only: bool | None = None,  # True: every q_len <= 1; None: unknown; else ignored
+        sinks: jax.Array | None = None,  # [Hq] float32 sink logits: only where spec.sinks
     ) -> jax.Array:  # [T, Hq, D] in q's dtype; rows of padding tokens stay finite
         ...
 
@@ -80,6 +82,7 @@ class FunctionBackend:
     check: Callable[[AttentionSpec], str | None] = _runs_anything  # supports(spec)
     kv_layout: str = KV_LAYOUT
     has_decode_kernel: bool = False  # True: fn takes a `decode_only` keyword
+    takes_sinks: bool = False  # True: fn takes `sinks` (else it refuses specs with sinks)
     # How the model writes a step's new K/V into the pool before calling the backend (an
     # optional attribute of any backend; `kv_cache.write_kv`'s arguments and result).
     write_kv: Callable[..., KVCache] = write_kv
@@ -89,6 +92,8 @@ class FunctionBackend:
     fit_num_blocks: Callable[[int, int, Any], int] | None = None
 
     def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.sinks and not self.takes_sinks:
+            return "it has no attention sinks (gpt-oss)"
         return self.check(spec)
 
     def __call__(
@@ -102,9 +107,12 @@ class FunctionBackend:
         sliding_window: jax.Array | int | None = None,
         soft_cap: float | None = None,
         decode_only: bool | None = None,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
         # Functions without a decode kernel do not take the flag; it changes nothing for them.
         extra = {"decode_only": decode_only} if self.has_decode_kernel else {}
+        if sinks is not None:
+            extra["sinks"] = sinks
         return self.fn(
             q,
             cache,

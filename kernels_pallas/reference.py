@@ -27,6 +27,20 @@ def token_sequence_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array
     return jnp.minimum(seq, query_start_loc.shape[0] - 2)
 
 
+def softmax_with_sinks(
+    scores: jax.Array,  # [N, Hkv, G, ..., keys] float32
+    sinks: jax.Array | None,  # [Hkv * G] logits, or None
+    num_kv_heads: int,
+) -> jax.Array:
+    """Softmax over the last axis with each query head's sink logit as one more key, which
+    takes its share of the probability and adds no value (gpt-oss); plain without sinks."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    heads = sinks.astype(jnp.float32).reshape(1, num_kv_heads, -1, *([1] * (scores.ndim - 3)))
+    sink = jnp.broadcast_to(heads, (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     cache: KVCache,  # k, v: [L, num_kv_heads, num_blocks, block_size, head_dim]
@@ -36,11 +50,13 @@ def ragged_paged_attention(
     scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
     """Causal attention of each new token over its own sequence's context in the paged pool.
 
     `sliding_window` (a traced or static int; 0 or None means unlimited) lets a query see keys
-    at distance < window only, matching transformers.
+    at distance < window only, matching transformers. `sinks` [num_q_heads]: a logit per
+    head in every softmax that no value goes with (gpt-oss).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = cache.k.shape[1], cache.k.shape[3]
@@ -76,10 +92,13 @@ def ragged_paged_attention(
     # Masked keys' probabilities are 0, but a stale page may hold NaN and 0 x NaN = NaN.
     v = jnp.where(visible.reshape(num_tokens, -1, 1, block_size, 1), v, 0.0)
 
-    probs = jax.nn.softmax(scores, axis=-1).reshape(num_tokens, num_kv_heads, group, -1, block_size)
+    probs = softmax_with_sinks(scores, sinks, num_kv_heads)
+    probs = probs.reshape(num_tokens, num_kv_heads, group, -1, block_size)
     out = jnp.einsum("tkgbc,tbkcd->tkgd", probs, v)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 # The oracle as a backend (tests): its cost grows with the block-table width.
-REFERENCE = FunctionBackend("reference", ragged_paged_attention, cost_follows_context=False)
+REFERENCE = FunctionBackend(
+    "reference", ragged_paged_attention, cost_follows_context=False, takes_sinks=True
+)

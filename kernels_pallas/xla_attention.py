@@ -71,6 +71,7 @@ class _Step(NamedTuple):
     scale: float
     sliding_window: jax.Array | int | None
     soft_cap: float | None
+    sinks: jax.Array | None  # [Hkv, G] float32 sink logits (gpt-oss), or None
 
     @property
     def chunk(self) -> int:
@@ -93,6 +94,17 @@ class _Step(NamedTuple):
         """k, v of key chunk j of the sequences whose block-table rows are `table` [..., B']."""
         pages = jax.lax.dynamic_slice_in_dim(table, j * self.chunk_blocks, self.chunk_blocks, -1)
         return _pages(self.cache, self.layer, pages)
+
+
+def _initial_state(step: _Step, max_shape, sink_shape, acc_shape) -> tuple[jax.Array, ...]:
+    """The online softmax before any key: max MASK_VALUE and sum 0, or with sinks each head's
+    sink as a key already seen (max: the sink, sum: exp(0) = 1) that adds no value."""
+    if step.sinks is None:
+        m, total = jnp.full(max_shape, MASK_VALUE), jnp.zeros(max_shape)
+    else:
+        m = jnp.broadcast_to(step.sinks.reshape(sink_shape), max_shape)
+        total = jnp.ones(max_shape)
+    return m, total, jnp.zeros(acc_shape)
 
 
 def _online_softmax_step(state, scores, seen, axis):
@@ -144,10 +156,11 @@ def _decode_tiles(step: _Step, out: jax.Array, decode_tile: int) -> jax.Array:
             pv = jnp.swapaxes(p, -1, -2) @ _seen_rows(v, seen)  # [Gd, Hkv, g, D]
             return m, total, alpha.transpose(0, 1, 3, 2) * state[2] + pv
 
-        state = (
-            jnp.full((decode_tile, num_kv_heads, 1, group), MASK_VALUE),
-            jnp.zeros((decode_tile, num_kv_heads, 1, group)),
-            jnp.zeros((decode_tile, num_kv_heads, group, head_dim)),
+        state = _initial_state(
+            step,
+            (decode_tile, num_kv_heads, 1, group),
+            (1, num_kv_heads, 1, group),
+            (decode_tile, num_kv_heads, group, head_dim),
         )
         num_chunks = (jnp.max(seq_len) + step.chunk - 1) // step.chunk
         _, total, acc = jax.lax.fori_loop(0, num_chunks, key_chunk_body, state)
@@ -190,10 +203,11 @@ def _prefill_tiles(step: _Step, out: jax.Array, query_tile: int) -> jax.Array:
             pv = p.reshape(num_kv_heads, group * query_tile, step.chunk) @ v
             return m, total, alpha * state[2] + pv.reshape(state[2].shape)
 
-        state = (
-            jnp.full((num_kv_heads, group, query_tile, 1), MASK_VALUE),
-            jnp.zeros((num_kv_heads, group, query_tile, 1)),
-            jnp.zeros((num_kv_heads, group, query_tile, head_dim)),
+        state = _initial_state(
+            step,
+            (num_kv_heads, group, query_tile, 1),
+            (num_kv_heads, group, 1, 1),
+            (num_kv_heads, group, query_tile, head_dim),
         )
         last_key = seq_len - q_len + jnp.minimum(first + query_tile, q_len)  # exclusive
         num_chunks = (last_key + step.chunk - 1) // step.chunk
@@ -216,6 +230,7 @@ def ragged_paged_attention_xla(
     scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads] float32
     decode_tile: int = 16,
     query_tile: int = 64,
     key_chunk: int = 256,
@@ -240,6 +255,7 @@ def ragged_paged_attention_xla(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, -1),
     )
     out = jnp.zeros(step.qg.shape, jnp.float32)
     out = _decode_tiles(step, out, decode_tile)
@@ -248,4 +264,6 @@ def ragged_paged_attention_xla(
 
 
 # Its trip counts follow each sequence's context, so the block-table width costs nothing.
-XLA = FunctionBackend("xla", ragged_paged_attention_xla, cost_follows_context=True)
+XLA = FunctionBackend(
+    "xla", ragged_paged_attention_xla, cost_follows_context=True, takes_sinks=True
+)

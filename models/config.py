@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
 
 MODEL_TYPES = {
@@ -31,6 +32,7 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # The MLP's activations by their Hugging Face names (`hidden_act` / Gemma's
@@ -42,7 +44,12 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Per-head RMSNorms of q and k before RoPE.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Mixture-of-experts families, which keep the attention of the dense family they extend.
-MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = (
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,15 @@ class MoeConfig:
     # Every expert computed for every token instead of the grouped matmul: E / k times the
     # work, for the benchmark's peer (benchmarks/moe.py).
     dense_experts: bool = False
+    # gpt-oss: the router's logits have a bias and the softmax runs over the top-k logits
+    # only; the experts' projections have biases; its SwiGLU clamps the gate (at most
+    # `swiglu_limit`) and the up projection (within +-limit) and computes
+    # (up + 1) * gate * sigmoid(alpha * gate). None: plain SwiGLU.
+    router_bias: bool = False
+    softmax_after_top_k: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @property
     def num_sparse_layers(self) -> int:
@@ -113,6 +129,10 @@ class ModelConfig:
     # Sliding-window layers' own RoPE base (Gemma 3's local layers); None: rope_theta.
     local_rope_theta: float | None = None
     moe: MoeConfig | None = None  # the MLP's experts, for a mixture-of-experts family
+    # gpt-oss: a learned logit per query head in each layer's softmax (an "attention sink"
+    # that takes probability without a value), and a bias on the attention's output.
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
 
     @property
     def num_dense_layers(self) -> int:
@@ -176,7 +196,52 @@ class ModelConfig:
             return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
         if rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, scaling)
+        if rope_type == "yarn":
+            return _yarn_inv_freq(self.head_dim, self.rope_theta, scaling)
         raise AssertionError(f"unreachable: rope type {rope_type} passed validation")
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for every other RoPE)."""
+        scaling = dict(self.rope_scaling)
+        if scaling.get("rope_type") != "yarn":
+            return 1.0
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, mscale = scaling["factor"], scaling.get("mscale")
+        if mscale and scaling.get("mscale_all_dim"):
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, scaling["mscale_all_dim"])
+        return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN's blend of interpolated and extrapolated frequencies, as transformers computes
+    them (float32 where it does): dimensions rotating fast keep their frequency, slow ones
+    are divided by the factor, with a linear ramp between beta_fast and beta_slow rotations."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    pos_freqs = (np.float32(theta) ** exponents).astype(np.float32)
+    extrapolation = (1.0 / pos_freqs).astype(np.float32)
+    interpolation = (1.0 / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    ramp = (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    keep = (1 - np.clip(ramp, 0, 1)).astype(np.float32)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
@@ -194,7 +259,7 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _local_rope_theta(hf: dict) -> float | None:
@@ -227,6 +292,10 @@ def _rope_settings(hf: dict) -> tuple[float, tuple[tuple[str, object], ...]]:
         )
     if rope_type == "default":
         return float(theta), ()
+    if rope_type == "yarn" and not scaling.get("original_max_position_embeddings"):
+        raise ModelLoadError("YaRN RoPE scaling needs original_max_position_embeddings")
+    if rope_type == "yarn" and not scaling.get("factor"):
+        raise ModelLoadError("YaRN RoPE scaling needs its factor")
     return float(theta), tuple(sorted(scaling.items()))
 
 
@@ -235,7 +304,8 @@ def _sliding_windows(hf: dict, architecture: str, num_layers: int) -> tuple[int,
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
     layer_types = hf.get("layer_types")
-    if architecture in GEMMA_ARCHITECTURES and window and layer_types:
+    typed = (*GEMMA_ARCHITECTURES, "GptOssForCausalLM")  # layer_types alone say which slide
+    if architecture in typed and window and layer_types:
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     if window and hf.get("use_sliding_window") and layer_types:
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
@@ -248,7 +318,8 @@ def _moe_config(hf: dict, architecture: str, num_layers: int) -> MoeConfig | Non
         return None
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     mixtral = architecture == "MixtralForCausalLM"
-    if mixtral:  # every layer's MLP is experts of intermediate_size
+    gpt_oss = architecture == "GptOssForCausalLM"
+    if mixtral or gpt_oss:  # every layer's MLP is experts of intermediate_size
         size, sparse = int(hf["intermediate_size"]), (True,) * num_layers
     else:
         size = int(hf["moe_intermediate_size"])
@@ -271,6 +342,11 @@ def _moe_config(hf: dict, architecture: str, num_layers: int) -> MoeConfig | Non
         normalize_top_k=mixtral or bool(hf.get("norm_topk_prob")),
         sparse_layers=sparse,
         shared_intermediate_size=int(shared) if architecture == "Qwen2MoeForCausalLM" else 0,
+        router_bias=gpt_oss,
+        softmax_after_top_k=gpt_oss,
+        expert_bias=gpt_oss,
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)) if gpt_oss else None,
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
     )
 
 
@@ -330,6 +406,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
             local_rope_theta=_local_rope_theta(hf) if gemma else None,
             moe=_moe_config(hf, architecture, num_layers),
+            attention_sinks=architecture == "GptOssForCausalLM",
+            attention_out_bias=architecture == "GptOssForCausalLM",
         )
     except KeyError as e:
         raise ModelLoadError(f"config is missing the field {e.args[0]!r}") from e

@@ -17,7 +17,16 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.errors import ModelLoadError
 from models.llama import Params
-from models.loader import FUSED_MATMULS, layer_norms, moe_matmuls, moe_shapes
+from models.loader import (
+    FUSED_MATMULS,
+    deinterleave,
+    interleave,
+    layer_norms,
+    layer_vectors,
+    moe_matmuls,
+    moe_shapes,
+    stacked_experts,
+)
 
 # transformers v5 holds a mixture's experts fused in memory ([E, 2 I, H] gate and up, [E, H, I]
 # down; Mixtral's router as "mlp.gate" too), though checkpoints keep one tensor per expert.
@@ -45,7 +54,8 @@ def param_shapes(config: ModelConfig) -> Params:
     if config.moe is not None:
         M = config.moe.num_sparse_layers  # noqa: N806
         layers.update({name: (M, *shape) for name, shape in moe_shapes(config).items()})
-    layers.update({name: (L, width) for name, (_, width) in layer_norms(config).items()})
+    vectors = {**layer_norms(config), **layer_vectors(config)}
+    layers.update({name: (L, width) for name, (_, width) in vectors.items()})
     if config.attention_bias:
         layers["bqkv"] = (L, Q + 2 * KV)
     shapes: Params = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
@@ -98,6 +108,8 @@ def params_from_hf_state(
         return lambda p: get(f"{p}{hf_name}.weight") + offset
 
     layers = {name: stacked(norm(hf)) for name, (hf, _) in layer_norms(config).items()}
+    for name, (hf, _) in layer_vectors(config).items():
+        layers[name] = stacked(lambda p, hf=hf: get(f"{p}{hf}"))
     for name, parts in FUSED_MATMULS.items():
         kind = None if name in ("wqkv", "wo") else False
         if _layers(config, kind):
@@ -105,7 +117,8 @@ def params_from_hf_state(
     if config.moe is not None:
         names = moe_matmuls(config)
         first = f"model.layers.{config.mlp_layers(experts=True)[0]}."
-        if f"{first}{IN_MEMORY_EXPERTS['experts_gate_up']}" in state:  # transformers v5
+        in_memory = f"{first}{IN_MEMORY_EXPERTS['experts_gate_up']}" in state
+        if in_memory and not stacked_experts(config):  # transformers v5's (not gpt-oss's)
             names.update({k: (v,) for k, v in IN_MEMORY_EXPERTS.items()}, router=("mlp.gate",))
         for name, parts in names.items():
             if parts[0] in IN_MEMORY_EXPERTS.values():  # [E, out, in] -> [E, in, out]
@@ -116,6 +129,12 @@ def params_from_hf_state(
                 layers[name] = stacked(lambda p, each=each: jnp.stack([f(p) for f in each]), True)
             else:
                 layers[name] = stacked(each[0], True)
+        for name, (hf, interleaved) in stacked_experts(config).items():
+
+            def tensor(p: str, hf=hf, interleaved=interleaved) -> jax.Array:
+                return deinterleave(get(f"{p}{hf}"), jnp) if interleaved else get(f"{p}{hf}")
+
+            layers[name] = stacked(tensor, True)
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(lambda p: jnp.concatenate([get(f"{p}{q}.bias") for q in qkv]))
@@ -148,6 +167,8 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
         p = f"model.layers.{i}."
         for name, (hf_name, _) in layer_norms(config).items():
             state[f"{p}{hf_name}.weight"] = layers[name][i] - offset
+        for name, (hf_name, _) in layer_vectors(config).items():
+            state[f"{p}{hf_name}"] = layers[name][i]
         for name, parts in FUSED_MATMULS.items():
             kind = None if name in ("wqkv", "wo") else False
             if i in _layers(config, kind):
@@ -160,6 +181,9 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
                     w = layers[name][j] if "{e}" not in parts[0] else layers[name][j, e]
                     named = tuple(part.format(e=e) for part in parts)
                     _unfuse(state, p, named, w, _moe_widths(config, name))
+            for name, (hf_name, interleaved) in stacked_experts(config).items():
+                w = layers[name][j]
+                state[f"{p}{hf_name}"] = interleave(w, jnp) if interleaved else w
         if config.attention_bias:
             for part, (start, stop) in zip(
                 FUSED_MATMULS["wqkv"], _bounds((Q, KV, KV)), strict=True

@@ -7,7 +7,9 @@ Params are a pytree with the layers stacked on a leading axis:
     layers:
       attn_norm  [L, H]
       wqkv       [L, H, Q + 2 KV]   q, k and v projections fused at load time
-      bqkv       [L, Q + 2 KV]      Qwen2 only
+      bqkv       [L, Q + 2 KV]      Qwen2 and gpt-oss only
+      sinks      [L, heads]         gpt-oss only: each head's attention-sink logit
+      bo         [L, H]             gpt-oss only: the attention output's bias
       q_norm     [L, D]             Qwen3 and Gemma 3 only (per-head RMSNorm weights)
       k_norm     [L, D]             Qwen3 and Gemma 3 only
       wo         [L, Q, H]
@@ -55,9 +57,9 @@ Params = dict
 AttentionFn = Callable[..., jax.Array]
 # Whatever a layer's attention carries from layer to layer (the paged forward: the KV pool).
 AttendState = Any
-# (q, k, v, layer, sliding_window, state) -> (out, state): see `decoder_layers`.
+# (q, k, v, layer, sliding_window, sinks, state) -> (out, state): see `decoder_layers`.
 Attend = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, AttendState],
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, AttendState],
     tuple[jax.Array, AttendState],
 ]
 
@@ -135,6 +137,9 @@ def rope_cos_sin(
     inv_freq = jnp.asarray(config.inv_freq(local))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)
+    factor = 1.0 if local else config.rope_attention_factor  # YaRN scales both
+    if factor != 1.0:
+        return jnp.cos(angles) * factor, jnp.sin(angles) * factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -173,10 +178,13 @@ def _attention_block(
         k = rms_norm(k, layer_params["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    out, state = attend(q, k, v, layer, sliding_window, state)
+    sinks = layer_params["sinks"] if config.attention_sinks else None
+    out, state = attend(q, k, v, layer, sliding_window, sinks, state)
     # Tensor parallel: o_proj's rows are sharded by head, so each shard holds a partial sum.
     out = layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer)
     out = all_reduce(out, axis_name)
+    if config.attention_out_bias:  # after the sum: every shard holds it whole
+        out = out + layer_params["bo"]
     if config.post_norms:
         out = rms_norm(out, layer_params["post_attn_norm"], config.rms_norm_eps)
     return x + out, state
@@ -231,9 +239,10 @@ def decoder_layers(
     """The decoder layers over flat tokens, as one scan; returns final-normed hidden states
     [T, H] and `attend`'s state as the last layer left it.
 
-    `attend(q [T, heads, D], k, v [T, kv_heads, D], layer, sliding_window, state)` ->
-    (out [T, heads, D], state) is each layer's attention of q over k and v, and whatever the
-    keys live in: the paged forward writes them into the KV pool it carries as `state`."""
+    `attend(q [T, heads, D], k, v [T, kv_heads, D], layer, sliding_window, sinks, state)` ->
+    (out [T, heads, D], state) is each layer's attention of q over k and v (sinks: [heads]
+    logits in every softmax, or None), and whatever the keys live in: the paged forward
+    writes them into the KV pool it carries as `state`."""
     cos, sin = rope_cos_sin(config, positions)
     # Gemma 3: sliding-window layers rotate by a base of their own.
     local = rope_cos_sin(config, positions, local=True) if config.local_rope_theta else None
@@ -291,8 +300,9 @@ def forward(
     backend = getattr(attention_fn, "func", attention_fn)  # through a partial (a step's flags)
     write = getattr(backend, "write_kv", write_kv)
 
-    def attend(q, k, v, layer, sliding_window, cache):
+    def attend(q, k, v, layer, sliding_window, sinks, cache):
         cache = write(cache, layer, k, v, metadata.slot_mapping)
+        extra = {} if sinks is None else {"sinks": sinks}  # only gpt-oss's backends take it
         out = attention_fn(
             q,
             cache,
@@ -301,6 +311,7 @@ def forward(
             scale=config.attention_scale,
             sliding_window=sliding_window if any(config.sliding_windows) else None,
             soft_cap=config.attn_logit_softcap,
+            **extra,
         )
         return out, cache
 

@@ -80,6 +80,8 @@ def moe_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
             "experts_gate_up": (expert + "w1", expert + "w3"),
             "experts_down": (expert + "w2",),
         }
+    elif config.architecture == "GptOssForCausalLM":  # the experts: STACKED_EXPERTS
+        names = {"router": ("mlp.router",)}
     else:
         names = {
             "router": ("mlp.gate",),
@@ -93,14 +95,57 @@ def moe_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return names
 
 
+# gpt-oss's expert tensors, stacked over experts as its checkpoints store them, already
+# [in, out]: our weight -> (its Hugging Face name within a layer, whether gate and up
+# alternate along the last axis, which the loader turns into [gate | up]).
+STACKED_EXPERTS = {
+    "experts_gate_up": ("mlp.experts.gate_up_proj", True),
+    "experts_gate_up_bias": ("mlp.experts.gate_up_proj_bias", True),
+    "experts_down": ("mlp.experts.down_proj", False),
+    "experts_down_bias": ("mlp.experts.down_proj_bias", False),
+    "router_bias": ("mlp.router.bias", False),
+}
+
+
+def stacked_experts(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """The weights of `STACKED_EXPERTS` this model has (gpt-oss's; none for the others)."""
+    return STACKED_EXPERTS if config.architecture == "GptOssForCausalLM" else {}
+
+
+def deinterleave(w: np.ndarray | jax.Array, xp=np) -> np.ndarray | jax.Array:
+    """[..., 2 I] with gate and up alternating -> [..., 2 I] as [gate | up]."""
+    return xp.concatenate([w[..., ::2], w[..., 1::2]], axis=-1)
+
+
+def interleave(w: np.ndarray | jax.Array, xp=np) -> np.ndarray | jax.Array:
+    """`deinterleave`'s inverse."""
+    gate, up = xp.split(w, 2, axis=-1)
+    return xp.stack([gate, up], axis=-1).reshape(w.shape)
+
+
 def moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each expert layer's shape of the weights `moe_matmuls` names (without the layer axis)."""
+    """Each expert layer's shape of a mixture's weights (without the layer axis)."""
     H, m = config.hidden_size, config.moe  # noqa: N806
     E, I, Is = m.num_experts, m.intermediate_size, m.shared_intermediate_size  # noqa: E741, N806
     shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H)}
     if Is:
         shapes.update(shared_gate_up=(H, 2 * Is), shared_down=(Is, H), shared_gate=(H, 1))
+    if m.router_bias:
+        shapes["router_bias"] = (E,)
+    if m.expert_bias:
+        shapes.update(experts_gate_up_bias=(E, 2 * I), experts_down_bias=(E, H))
     return shapes
+
+
+def layer_vectors(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Per-layer vectors besides the norms -> (Hugging Face name within a layer, width):
+    gpt-oss's attention sinks and attention output bias."""
+    vectors = {}
+    if config.attention_sinks:
+        vectors["sinks"] = ("self_attn.sinks", config.num_heads)
+    if config.attention_out_bias:
+        vectors["bo"] = ("self_attn.o_proj.bias", config.hidden_size)
+    return vectors
 
 
 def layer_norms(config: ModelConfig) -> dict[str, tuple[str, int]]:
@@ -188,6 +233,8 @@ def _stack_params(
 
     norms = layer_norms(config)
     layers = {name: stacked((width,), norm(hf)) for name, (hf, width) in norms.items()}
+    for name, (hf, width) in layer_vectors(config).items():
+        layers[name] = stacked((width,), lambda p, hf=hf: get(f"{p}{hf}"))
     dense_layers = config.mlp_layers(experts=False)
     for name, parts in FUSED_MATMULS.items():
         shape = matmul_shapes[name]
@@ -214,6 +261,13 @@ def _stack_params(
                 return np.stack(each)
 
             layers[name] = stacked(shape, experts, expert_layers)
+        for name, (hf, interleaved) in stacked_experts(config).items():
+
+            def tensor(p: str, hf=hf, interleaved=interleaved) -> np.ndarray:
+                w = get(f"{p}{hf}")
+                return deinterleave(w) if interleaved else w
+
+            layers[name] = stacked(shapes[name], tensor, expert_layers)
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(

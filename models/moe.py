@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): route, run the chosen experts
-as one grouped matmul, add their outputs by routing weight.
+"""The mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss): route, run the chosen
+experts as one grouped matmul, add their outputs by routing weight.
 
 Its weights, stacked over the M expert layers (a layer's index among them: `layer` below):
 
@@ -9,6 +9,9 @@ Its weights, stacked over the M expert layers (a layer's index among them: `laye
     shared_gate_up   [M, H, 2 Is]      Qwen2-MoE's shared expert only
     shared_down      [M, Is, H]
     shared_gate      [M, H, 1]
+    router_bias      [M, E]            gpt-oss only
+    experts_gate_up_bias [M, E, 2 I]   gpt-oss only
+    experts_down_bias    [M, E, H]     gpt-oss only
 
 The experts run on tokens sorted by expert in tiles (`kernels_pallas/grouped_matmul.py`): the
 work is T x k rows, not T x E. An expert weight may be a type of the platform's with a
@@ -40,18 +43,41 @@ MOE_WEIGHTS = (
     "shared_gate_up",
     "shared_down",
     "shared_gate",
+    "router_bias",
+    "experts_gate_up_bias",
+    "experts_down_bias",
 )
 
 
 def route(moe: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int32): the top-k of
     the softmax over all experts in float32 (as transformers computes it), renormalized to
-    sum to 1 where the config says so. Ties go to the lower expert, as torch.topk's."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    sum to 1 where the config says so; gpt-oss's softmax over the top-k logits alone. Ties go
+    to the lower expert, as torch.topk's."""
+    logits = logits.astype(jnp.float32)
+    if moe.softmax_after_top_k:
+        top, experts = jax.lax.top_k(logits, moe.top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), moe.top_k)
     if moe.normalize_top_k:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def router_logits(moe: MoeConfig, weights: Weights, h: jax.Array, layer: jax.Array) -> jax.Array:
+    """[T, H] -> [T, E]."""
+    logits = h @ weights["router"][layer]
+    return logits + weights["router_bias"][layer] if moe.router_bias else logits
+
+
+def expert_glu(moe: MoeConfig, gate_up: jax.Array, activation) -> jax.Array:
+    """An expert's [..., 2 I] gate and up -> [..., I]: SwiGLU, or gpt-oss's clamped one."""
+    if moe.swiglu_limit is None:
+        return swiglu(gate_up, activation)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate = jnp.minimum(gate, moe.swiglu_limit)
+    up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
 
 
 def expert_matmul(
@@ -99,7 +125,7 @@ def moe_mlp(
     if moe.dense_experts:
         return moe_mlp_dense(config, weights, h, layer, activation)
     num_tokens = h.shape[0]
-    routing, experts = route(moe, h @ weights["router"][layer])
+    routing, experts = route(moe, router_logits(moe, weights, h, layer))
     here = weights["experts_gate_up"].shape[1]  # a shard's own experts
     if axis_name is not None:  # experts elsewhere go to the dropped group, weighted 0
         local = experts - jax.lax.axis_index(axis_name) * here
@@ -108,8 +134,14 @@ def moe_mlp(
     tile = tile_rows(num_tokens * moe.top_k, here)
     tiles = expert_tiles(experts, here, tile, dropped=axis_name is not None)
     rows = h[tiles.rows]  # [P, H]
-    hidden = swiglu(expert_matmul(rows, weights["experts_gate_up"], layer, tiles), activation)
-    out = expert_matmul(hidden, weights["experts_down"], layer, tiles)  # [P, H]
+    row_experts = jnp.repeat(tiles.tile_experts, tile)  # [P]
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        out = expert_matmul(x, weights[name], layer, tiles)
+        return out + weights[f"{name}_bias"][layer][row_experts] if moe.expert_bias else out
+
+    hidden = expert_glu(moe, project(rows, "experts_gate_up"), activation)
+    out = project(hidden, "experts_down")  # [P, H]
     picked = out[tiles.positions].astype(jnp.float32)  # [T, k, H]
     # A dropped assignment's row is zeros (the kernel) or unread products (XLA): select, so
     # not even a non-finite one could leak through its zero weight.
@@ -139,9 +171,14 @@ def moe_mlp_dense(
     """`moe_mlp` with every expert computed for every token ([E, T, ...]) and each token's k
     picked from them: E / k times the work, the same sums."""
     moe = config.moe
-    routing, experts = route(moe, h @ weights["router"][layer])
-    hidden = swiglu(jnp.einsum("th,ehn->etn", h, weights["experts_gate_up"][layer]), activation)
-    out = jnp.einsum("etn,enh->eth", hidden, weights["experts_down"][layer])  # [E, T, H]
+    routing, experts = route(moe, router_logits(moe, weights, h, layer))
+
+    def project(x: jax.Array, name: str, spec: str) -> jax.Array:
+        out = jnp.einsum(spec, x, weights[name][layer])
+        return out + weights[f"{name}_bias"][layer][:, None] if moe.expert_bias else out
+
+    gate_up = project(h, "experts_gate_up", "th,ehn->etn")
+    out = project(expert_glu(moe, gate_up, activation), "experts_down", "etn,enh->eth")
     picked = jnp.take_along_axis(jnp.moveaxis(out, 0, 1), experts[:, :, None], axis=1).astype(
         jnp.float32
     )  # [T, k, H]

@@ -62,6 +62,9 @@ _SPLIT_AXIS = {
     "experts_down": 1,
     "shared_gate_up": 2,
     "shared_down": 1,
+    "experts_gate_up_bias": 1,  # gpt-oss: with its experts
+    "experts_down_bias": 1,
+    "sinks": 1,  # gpt-oss: with its query heads
 }
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import MASK_VALUE
+from kernels_pallas.reference import MASK_VALUE, softmax_with_sinks
 from models.config import ModelConfig
 from models.llama import Params, compute_logits, decoder_layers, embed_tokens
 
@@ -35,6 +35,7 @@ def dense_causal_attention(
     batch: int,
     length: int,
     sliding_window: jax.Array,  # [] int32, 0: full attention
+    sinks: jax.Array | None = None,  # [heads] float32: gpt-oss's sink logits
 ) -> jax.Array:  # [B * T, heads, D] in q's dtype
     """Causal attention over B rows of T tokens flattened to B x T, in XLA: each query sees the
     keys of its own row at positions <= its own (and within the layer's window)."""
@@ -55,7 +56,7 @@ def dense_causal_attention(
     if cap is not None:  # Gemma 2
         scores = cap * jnp.tanh(scores / cap)
     scores = jnp.where(visible, scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax_with_sinks(scores, sinks, config.num_kv_heads)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32))
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -91,8 +92,9 @@ def dense_logits(
     x = embed_tokens(params, token_ids.reshape(-1))
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
 
-    def attend(q, k, v, layer, sliding_window, state):
-        return kernels.attention(config, q, k, v, batch, length, sliding_window), state
+    def attend(q, k, v, layer, sliding_window, sinks, state):
+        extra = {} if sinks is None else {"sinks": sinks}  # gpt-oss
+        return kernels.attention(config, q, k, v, batch, length, sliding_window, **extra), state
 
     hidden, _ = decoder_layers(params, config, x, positions, attend)
     logits = compute_logits(params, hidden, soft_cap=config.final_logit_softcap)

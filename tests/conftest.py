@@ -124,6 +124,32 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
             sliding_window=9,
         ),
     ),
+    # gpt-oss: attention sinks, q/k/v/o biases, every other layer sliding over 7 keys, YaRN
+    # RoPE (factor 4 over 64 original positions), a router with a bias
+    # and a softmax over its top 2 of 4, experts with biases and the clamped SwiGLU (a low
+    # limit, so the clamps act at these activations).
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            sliding_window=7,
+            swiglu_limit=1.5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
 }
 
 _BASE = dict(

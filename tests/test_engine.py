@@ -68,7 +68,9 @@ def test_greedy_matches_transformers(tiny, name):
         assert tokens == hf_greedy(hf_model, prompt, 10)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "name", ["gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
+)
 def test_family_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, name):
     """Gemma 2 (soft caps, post-norms, every other layer sliding over 7 keys), Gemma 3
     (qk-norms, local and global RoPE) and the mixtures of experts (conftest's TINY_MODELS) give
@@ -81,17 +83,14 @@ def test_family_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, n
     expected = [hf_greedy(hf_model, prompt, 12) for prompt in prompts]
     params = SamplingParams(max_tokens=12, n=2, **GREEDY)
 
-    def check(**options) -> LLMEngine:
-        engine = make_engine(tiny, name, **options)
-        for out, want in zip(run(engine, prompts, params), expected, strict=True):
-            assert [c.token_ids for c in out.outputs] == [want, want], options
-        return engine
-
-    tight = check(max_num_batched_tokens=8, num_kv_blocks=14, block_size=8, max_model_len=64,
-                  enable_prefix_caching=False)  # fmt: skip
-    assert tight.engine_core.scheduler.num_preemptions > 0
-    cached = check(block_size=8)
-    assert cached.engine_core.kv_cache_manager.prefix_cache_stats.hit_rate > 0
+    # One tight engine: prompts chunked by 8 tokens, a pool that forces preemptions, the
+    # shared prefix's blocks served from the cache.
+    engine = make_engine(tiny, name, max_num_batched_tokens=8, num_kv_blocks=14, block_size=8,
+                         max_model_len=64)  # fmt: skip
+    for out, want in zip(run(engine, prompts, params), expected, strict=True):
+        assert [c.token_ids for c in out.outputs] == [want, want]
+    assert engine.engine_core.scheduler.num_preemptions > 0
+    assert engine.engine_core.kv_cache_manager.prefix_cache_stats.hit_rate > 0
 
 
 @pytest.fixture(scope="module")

@@ -107,9 +107,13 @@ def test_config_that_disagrees_with_the_weights(saved_llama, tmp_path):
 def test_unsupported_rope_scaling(saved_llama, tmp_path):
     path = _copy(saved_llama, tmp_path)
     config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="longrope"):
+        load_model(path)
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
         load_model(path)
 
 

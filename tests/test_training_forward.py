@@ -25,7 +25,7 @@ def padded_batch(sequences: list[list[int]], pad_id: int = 0) -> np.ndarray:
 # Plain Llama (GQA), sliding windows shorter than the sequences, Qwen3's qk-norm and tied head,
 # Gemma 2's soft caps and post-norms, a mixture of experts (Qwen2-MoE: routed and shared).
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral_window", "qwen3", "gemma2", "gemma3", "qwen2_moe"]
+    "name", ["llama", "mistral_window", "qwen3", "gemma2", "gemma3", "qwen2_moe", "gpt_oss"]
 )
 def test_dense_logits_match_transformers(name, tiny):
     _, hf_model, config, params = tiny(name)

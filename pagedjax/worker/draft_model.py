@@ -103,7 +103,12 @@ def load_draft_model(
             target.vocab_size,
         )
     attention_spec = AttentionSpec(
-        config.num_heads, config.num_kv_heads, config.head_dim, kv_dtype.name, block_size
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        kv_dtype.name,
+        block_size,
+        sinks=config.attention_sinks,
     )
     attention = platform.attention_backend(attention_backend, attention_spec)
     if batch_invariant:

@@ -150,6 +150,7 @@ class Worker:
             model_config.head_dim,
             kv_dtype.name,
             config.block_size,
+            sinks=model_config.attention_sinks,
         )
         self.draft = self._load_draft(dtype, kv_dtype)
         self.num_host_blocks = self._host_blocks()

@@ -4,6 +4,8 @@ against every expert computed for every token, the same model and steps in the s
 A random Qwen3-MoE-shaped model (8 experts, top-2 by default) runs the engine's jitted step
 (`forward_logits_jit`, the platform's attention and weight layout) on a decode batch (B rows,
 one token each, over a context) and a prefill chunk; tok/s is tokens per median step time.
+On the CPU with the C++ kernels, the grouped kernel alone against the C++ matmul run per
+expert on exactly its rows (the bound the packed matmul sets for the same work).
 
     python benchmarks/moe.py [--experts 8] [--top-k 2] [--hidden 512] [--expert-size 1024]
         [--layers 4] [--decode-rows 1 16 64 256] [--prefill 2048] [--repeats 7]
@@ -68,7 +70,11 @@ def build(args, dense: bool):
         leaf, param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
     )
     platform = current_platform()
-    return config, platform.prepare_params(params, jnp.float32), platform
+    prepared = platform.prepare_params(params, jnp.float32)
+    if dense:  # the peer's einsums take the experts as plain arrays; the rest as prepared
+        experts = {k: v for k, v in params["layers"].items() if k.startswith("experts_")}
+        prepared = {**prepared, "layers": {**prepared["layers"], **experts}}
+    return config, prepared, platform
 
 
 def time_step(config, params, platform, num_seqs: int, q_len: int, context: int, repeats: int):
@@ -109,6 +115,53 @@ def time_step(config, params, platform, num_seqs: int, q_len: int, context: int,
         jax.block_until_ready(logits)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def kernel_against_matmuls(args, num_tokens: int, repeats: int) -> dict | None:
+    """The C++ grouped kernel on one layer's gate/up experts ([E, H, 2 I]) for T tokens' T x k
+    assignments, against the C++ matmul run per expert on exactly its rows (E calls of static
+    sizes: what the packed matmul needs for this work, without tiles or padding)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas.grouped_matmul import expert_tiles, tile_rows
+    from pagedjax.cpu_native import build
+    from pagedjax.cpu_native.matmul import pack, pack_experts
+
+    if jax.default_backend() != "cpu" or not build.available():
+        return None
+    rng = np.random.default_rng(2)
+    E, k, H, N = args.experts, args.top_k, args.hidden, 2 * args.expert_size  # noqa: N806
+    w = rng.standard_normal((1, E, H, N), np.float32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((num_tokens, H), np.float32))
+    tiles = expert_tiles(jnp.asarray(ids), E, tile_rows(ids.size, E))
+    rows = x[tiles.rows]
+    packed = pack_experts(w)
+    grouped = jax.jit(lambda r: packed.grouped_matmul(r, 0, tiles))
+    per_expert = [pack(w[0, e]) for e in range(E)]
+    tokens_of = [np.nonzero((ids == e).any(axis=1))[0] for e in range(E)]
+    each = jax.jit(lambda x: [p.matmul(x[t]) for p, t in zip(per_expert, tokens_of, strict=True)])
+
+    def median_us(fn, arg) -> float:
+        jax.block_until_ready(fn(arg))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    grouped_us, matmuls_us = median_us(grouped, rows), median_us(each, x)
+    return {
+        "tokens": num_tokens,
+        "rows": int(ids.size),
+        "padded_rows": int(tiles.num_tiles) * tiles.tile,
+        "grouped_us": grouped_us,
+        "per_expert_matmuls_us": matmuls_us,
+        "ratio": grouped_us / matmuls_us,
+    }
 
 
 def main() -> None:
@@ -156,9 +209,22 @@ def main() -> None:
         rows.append(row)
         print(f"{name:<16}{row['grouped_tok_s']:>15.0f}{row['dense_tok_s']:>13.0f}"
               f"{row['speedup']:>8.2f}x")  # fmt: skip
+    kernel = []
+    for tokens in [*args.decode_rows, args.prefill]:
+        result = kernel_against_matmuls(args, tokens, args.repeats * 3)
+        if result is None:
+            break
+        if not kernel:
+            print("\nC++ grouped kernel (one layer's gate/up) vs the C++ matmul per expert:")
+            print(f"{'tokens':>8}{'rows':>7}{'padded':>8}{'grouped us':>12}{'matmuls us':>12}"
+                  f"{'ratio':>7}")  # fmt: skip
+        kernel.append(result)
+        print(f"{tokens:>8}{result['rows']:>7}{result['padded_rows']:>8}"
+              f"{result['grouped_us']:>12.0f}{result['per_expert_matmuls_us']:>12.0f}"
+              f"{result['ratio']:>7.2f}")  # fmt: skip
     shape = {k: v for k, v in vars(args).items() if k != "smoke"}
-    report("moe", {"shape": shape, "device": jax.devices()[0].device_kind, "rows": rows},
-           args.smoke)  # fmt: skip
+    result = {"shape": shape, "device": device, "rows": rows, "kernel": kernel}
+    report("moe", result, args.smoke)
 
 
 if __name__ == "__main__":

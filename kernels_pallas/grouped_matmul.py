@@ -43,12 +43,14 @@ class ExpertTiles:
 
     rows         [P] int32      the token whose activations each row holds (padding: 0)
     tile_experts [NT] int32     each tile's expert (tiles past num_tiles: the last expert)
+    tile_counts  [NT] int32     each tile's rows that hold an assignment (the first ones)
     positions    [T, k] int32   the row of each assignment
     num_tiles    [] int32       tiles holding any assignment (a prefix of the NT)
     """
 
     rows: jax.Array
     tile_experts: jax.Array
+    tile_counts: jax.Array
     positions: jax.Array
     num_tiles: jax.Array
 
@@ -97,12 +99,16 @@ def expert_tiles(
     positions = jnp.zeros((num_assignments,), jnp.int32).at[order].set(row_of_sorted)
     rows = jnp.zeros((num_tiles * tile,), jnp.int32).at[row_of_sorted].set(order // top_k)
     tile_starts = jnp.arange(num_tiles, dtype=jnp.int32) * tile
-    tile_experts = jnp.searchsorted(ends, tile_starts, side="right").astype(jnp.int32)
+    tile_groups = jnp.minimum(jnp.searchsorted(ends, tile_starts, side="right"), groups - 1)
+    used = (ends[num_experts - 1] // tile).astype(jnp.int32)
+    counts = sizes[tile_groups] - (tile_starts - padded_starts[tile_groups])
+    counts = jnp.where(jnp.arange(num_tiles) < used, jnp.clip(counts, 0, tile), 0)
     return ExpertTiles(
         rows=rows,
-        tile_experts=jnp.minimum(tile_experts, num_experts - 1),
+        tile_experts=jnp.minimum(tile_groups, num_experts - 1).astype(jnp.int32),
+        tile_counts=counts.astype(jnp.int32),
         positions=positions.reshape(num_tokens, top_k),
-        num_tiles=(ends[num_experts - 1] // tile).astype(jnp.int32),
+        num_tiles=used,
     )
 
 
@@ -240,16 +246,14 @@ class PallasExperts:
     def shape(self) -> tuple[int, ...]:
         return self.weight.shape
 
-    def grouped_matmul(
-        self, x: jax.Array, layer: jax.Array, tile_experts: jax.Array, num_tiles: jax.Array
-    ) -> jax.Array:
+    def grouped_matmul(self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles) -> jax.Array:
         num_experts = self.weight.shape[1]
         groups = self.weight.reshape(-1, *self.weight.shape[2:])  # a bitcast: nothing copied
         return grouped_matmul(
             x,
             groups,
-            layer * num_experts + tile_experts,
-            num_tiles,
+            layer * num_experts + tiles.tile_experts,
+            tiles.num_tiles,
             config=self.config,
             interpret=self.interpret,
         )

@@ -88,7 +88,7 @@ def expert_matmul(
 ) -> jax.Array:  # [P, N]
     """Each tile's rows times its expert's weight, the platform's way."""
     if isinstance(weight, GroupedLinearWeight):
-        return weight.grouped_matmul(x, layer, tiles.tile_experts, tiles.num_tiles)
+        return weight.grouped_matmul(x, layer, tiles)
     num_experts = weight.shape[1]
     groups = weight.reshape(-1, *weight.shape[2:])  # the layers' experts: [M x E, K, N]
     return grouped_matmul_xla(x, groups, layer * num_experts + tiles.tile_experts)

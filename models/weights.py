@@ -8,8 +8,8 @@ for one (a platform packs weights into its own types at load time, see `pagedjax
   the layer scan (`layer` is traced);
 - `take_columns(ids [R]) -> [R, K]`: a tied LM head serving the token lookup, so the
   embedding table is not held twice;
-- `grouped_matmul(x [P, K], layer, tile_experts, num_tiles) -> [P, N]`: a mixture of
-  experts' weights, each tile of rows times its expert's (`models/moe.py`).
+- `grouped_matmul(x [P, K], layer, tiles) -> [P, N]`: a mixture of experts' weights, each
+  tile of rows times its expert's (`models/moe.py`, `kernels_pallas/grouped_matmul.py`).
 
 `QuantizedLinear` keeps GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file stores
 them and widens them in XLA for each product. code x scale + offset is exact in float32, so
@@ -19,10 +19,13 @@ the widened weight is the dequantized float32 weight, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from kernels_pallas.grouped_matmul import ExpertTiles
 
 BLOCK = 32  # inputs per scale and offset in GGUF's Q4_0, Q4_1 and Q8_0
 
@@ -52,7 +55,7 @@ class GroupedLinearWeight(Protocol):
     def shape(self) -> tuple[int, ...]: ...  # [M, E, K, N]
 
     def grouped_matmul(
-        self, x: jax.Array, layer: jax.Array, tile_experts: jax.Array, num_tiles: jax.Array
+        self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles
     ) -> jax.Array: ...  # [P, K] -> [P, N]
 
 

@@ -120,3 +120,32 @@ def test_pack_blocks_rejects_inconsistent_shapes():
         pack_blocks(codes, scales[:, :5], offsets, 4)
     with pytest.raises(ValueError, match="pack_blocks"):
         pack_blocks(codes, scales, offsets, 2)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,inner,columns", [(1, 2, 8, 64, 100), (37, 3, 6, 33, 48)]
+)
+def test_grouped_kernel_is_each_experts_matmul_on_its_rows(tokens, top_k, experts, inner, columns):
+    """A mixture's experts packed for the grouped kernel: each assignment's row is its token
+    times its expert's weight (layer 1 of 2, so the groups are offset by a layer), the packed
+    matmul's sums bit for bit; rows no assignment holds are zeros."""
+    from kernels_pallas.grouped_matmul import expert_tiles, tile_rows
+    from pagedjax.cpu_native.matmul import pack_experts
+
+    rng = np.random.default_rng(tokens)
+    w = rng.normal(size=(2, experts, inner, columns)).astype(np.float32)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    x = rng.normal(size=(tokens, inner)).astype(np.float32)
+    tiles = expert_tiles(jnp.asarray(ids, jnp.int32), experts, tile_rows(ids.size, experts))
+    packed = pack_experts(w)
+    assert packed.shape == w.shape
+    out = jax.jit(lambda r: packed.grouped_matmul(r, jnp.int32(1), tiles))(
+        jnp.asarray(x)[tiles.rows]
+    )
+    out, positions = np.asarray(out), np.asarray(tiles.positions)
+    for t in range(tokens):
+        for j in range(top_k):
+            want = pack(jnp.asarray(w[1, ids[t, j]])).matmul(jnp.asarray(x[t : t + 1]))
+            np.testing.assert_array_equal(out[positions[t, j]], np.asarray(want)[0])
+    padding = np.setdiff1d(np.arange(out.shape[0]), positions.ravel())
+    assert not out[padding].any()

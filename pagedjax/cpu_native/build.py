@@ -31,6 +31,7 @@ TARGETS = {
     "pagedjax_kv_write": "KvWrite",
     "pagedjax_packed_matmul": "PackedMatmul",
     "pagedjax_quantized_matmul": "QuantizedMatmul",
+    "pagedjax_grouped_packed_matmul": "GroupedPackedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
     "pagedjax_token_logprobs": "TokenLogprobs",
     "pagedjax_random_sample": "RandomSample",

@@ -6,8 +6,10 @@ CPU platform packs every matmul weight once (`pack_params`): each layer's weight
 panels of 24 output columns (`PackedWeight`), or, for a GGUF's block-quantized weight, the
 same panels of its code bytes with a scale and offset per 32 inputs (`QuantizedWeight`, widened
 exactly in the kernel). A stacked weight becomes `PackedLayers`, whose layer is chosen by a
-`lax.switch`, so each layer's panels are read in place. All three implement the weight
-methods of `models/weights.py`, so the model runs them as it runs plain arrays.
+`lax.switch`, so each layer's panels are read in place. A mixture's expert weights become
+`PackedExperts`, every layer's experts' panels in one array that the grouped kernel indexes.
+All of them implement the weight methods of `models/weights.py`, so the model runs them as it
+runs plain arrays.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.grouped_matmul import ExpertTiles
 from models.llama import MATMUL_WEIGHTS, Params
 from models.weights import QuantizedLinear, widen_blocks
 from pagedjax.cpu_native import build
 
 TARGET = "pagedjax_packed_matmul"
 QUANTIZED_TARGET = "pagedjax_quantized_matmul"
+GROUPED_TARGET = "pagedjax_grouped_packed_matmul"
+EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # a mixture's (`models/moe.py`)
 PANEL = 24  # output columns per panel (the kernel's register tile is 4 rows x 24 columns)
 
 
@@ -93,6 +98,45 @@ class PackedLayers:
         return jax.lax.switch(layer, branches, x)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """A mixture's expert weights [M, E, K, N] (stacked over its M expert layers) as panels
+    [M x E, P, K, 24]: each tile of rows sorted by expert times its expert's panels, read in
+    place by the kernel (`models.weights.GroupedLinearWeight`)."""
+
+    panels: jax.Array
+    experts: int = dataclasses.field(metadata=dict(static=True))
+    columns: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        groups, _, k, _ = self.panels.shape
+        return (groups // self.experts, self.experts, k, self.columns)
+
+    def grouped_matmul(
+        self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles
+    ) -> jax.Array:  # [P, K] -> [P, N]; a tile's rows past its count: zeros
+        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
+        call = build.ffi_call(GROUPED_TARGET, out_shape)
+        groups = (layer * self.experts + tiles.tile_experts).astype(jnp.int32)
+        counts = tiles.tile_counts.astype(jnp.int32)
+        out = call(
+            x.astype(jnp.float32), self.panels, groups, counts, columns=np.int64(self.columns)
+        )
+        return out.astype(x.dtype)
+
+
+def pack_experts(weight: jax.Array | np.ndarray) -> PackedExperts:
+    """[M, E, K, N] float32 -> PackedExperts (laid out with numpy, as `pack`)."""
+    w = np.asarray(weight, np.float32)
+    layers, experts, k, n = w.shape
+    padded = -(-n // PANEL) * PANEL
+    w = np.pad(w.reshape(layers * experts, k, n), ((0, 0), (0, 0), (0, padded - n)))
+    grouped = np.ascontiguousarray(w.reshape(-1, k, padded // PANEL, PANEL).transpose(0, 2, 1, 3))
+    return PackedExperts(jax.device_put(grouped), experts, n)
+
+
 def panels(w, xp=np):
     """[K, N] -> [P, K, 24] with panels[p, k, c] = w[k, p * 24 + c], zero past N. `xp`: numpy
     at load time, jax.numpy where the weights are traced (the training forward trains them)."""
@@ -157,6 +201,9 @@ def pack_params(params: Params) -> Params:
     for name in MATMUL_WEIGHTS:
         if name in layers:  # a mixture of experts may have no dense MLP
             layers[name] = _pack_stacked(layers[name])
+    for name in EXPERT_WEIGHTS:
+        if name in layers:
+            layers[name] = pack_experts(layers[name])
     if "lm_head" in params:
         rest, head = params, params["lm_head"]
     else:

@@ -10,6 +10,8 @@
 // Each output is one float32 sum over k in order, with an FMA per term.
 //
 // Inputs: x [M, K]; packed [P, K, 24]; attr columns = N <= 24 P. Output: [M, N].
+// GroupedPackedMatmul: the same tiles over a mixture of experts' rows, each tile of rows
+// against its expert's panels (packed [G, P, K, 24]).
 //
 // QuantizedMatmul takes the same panels held as GGUF-style block codes instead (Q4_0, Q4_1 and
 // Q8_0 weights as the file stores them): w[k, c] = code * scale + offset, with one scale and
@@ -126,6 +128,53 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t K = x_dims[1];
   MultiplyPanels(pool, x.typed_data(), x_dims[0], K, columns, out->typed_data(),
                  [&](int64_t p) { return weights + p * K * kPanel; });
+  return ffi::Error::Success();
+}
+
+// A mixture of experts' rows sorted by expert in tiles (kernels_pallas/grouped_matmul.py):
+// out [P, N] = each tile's rows of x [P, K] times its group's panels, packed [G, Pn, K, 24],
+// read where they lie. Only a tile's first counts[t] rows hold assignments: the rest, and
+// every row of a tile whose count is 0, are zeros, so padding costs no arithmetic. Threads
+// take (tile, range of panels) items; each output is PackedMatmul's sum over k in order.
+ffi::Error GroupedPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                   ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::S32> groups,
+                                   ffi::Buffer<ffi::S32> counts, int64_t columns,
+                                   ffi::ResultBuffer<ffi::F32> out) {
+  const auto x_dims = x.dimensions(), p_dims = packed.dimensions();
+  if (x_dims.size() != 2 || p_dims.size() != 4 || p_dims[3] != kPanel || p_dims[2] != x_dims[1])
+    return ffi::Error::InvalidArgument(
+        "grouped_packed_matmul: expected x [P, K], packed [G, Pn, K, 24]");
+  const int64_t tiles = groups.element_count(), P = x_dims[0], K = x_dims[1];
+  if (tiles == 0 || P % tiles || counts.element_count() != tiles)
+    return ffi::Error::InvalidArgument("grouped_packed_matmul: rows are not whole tiles");
+  if (columns <= 0 || columns > p_dims[1] * kPanel || out->dimensions()[1] != columns)
+    return ffi::Error::InvalidArgument("grouped_packed_matmul: columns out of the packed range");
+  const int64_t tile = P / tiles, N = columns, G = p_dims[0], panels = p_dims[1];
+  const int32_t* group_of = groups.typed_data();
+  const int32_t* count_of = counts.typed_data();
+  float* result = out->typed_data();
+  int64_t used = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = std::clamp<int64_t>(count_of[t], 0, tile);
+    used += rows > 0;
+    std::fill(result + (t * tile + rows) * N, result + (t + 1) * tile * N, 0.f);
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::clamp<int64_t>(used * panels / (4 * threads), 1, 32);
+  const int64_t chunks = (panels + per_item - 1) / per_item;
+  pagedjax::ParallelFor(pool, tiles * chunks, [&](int64_t item) {
+    const int64_t t = item / chunks, first = (item % chunks) * per_item;
+    const int64_t end = t * tile + std::clamp<int64_t>(count_of[t], 0, tile);
+    const int64_t g = std::clamp<int64_t>(group_of[t], 0, G - 1);  // never foreign memory
+    for (int64_t p = first; end > t * tile && p < std::min(panels, first + per_item); ++p) {
+      const float* weights = packed.typed_data() + (g * panels + p) * K * kPanel;
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = t * tile; m < end; m += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, end - m);
+        kTile[rows](x.typed_data() + m * K, K, weights, K, result + m * N + p * kPanel, N, cols);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -321,5 +370,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // packed weight
+                                  .Attr<int64_t>("columns")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedPackedMatmul, GroupedPackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // packed groups
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // each tile's group
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // each tile's rows in use
                                   .Attr<int64_t>("columns")
                                   .Ret<ffi::Buffer<ffi::F32>>());

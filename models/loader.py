@@ -410,9 +410,53 @@ def load_model(
 
         getter = _checked_getter(tensor, str(files.path))
     else:
-        config = model_config_from_hf(read_hf_config(files.path))
-        getter = _checked_getter(_safetensors_getter(files.path), str(files.path))
+        hf_config = read_hf_config(files.path)
+        config = model_config_from_hf(hf_config)
+        tensors = _safetensors_getter(files.path)
+        quantization = (hf_config.get("quantization_config") or {}).get("quant_method")
+        if quantization == "mxfp4":  # gpt-oss's experts as published
+            tensors = mxfp4_getter(tensors)
+        elif quantization is not None:
+            raise ModelLoadError(
+                f"{files.path}'s weights are quantized as {quantization!r}, which pagedjax "
+                "cannot read (it reads float checkpoints, gpt-oss's mxfp4 experts, and GGUF)"
+            )
+        getter = _checked_getter(tensors, str(files.path))
     return config, params_from_hf_tensors(config, getter, dtype, blocks, on_host)
+
+
+# MXFP4's 4-bit values (e2m1: sign, 2 exponent bits, 1 mantissa bit), by code.
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's MXFP4 experts -> float32 [E, in, out], as its float checkpoints hold them.
+
+    blocks [E, out, in / 32, 16] uint8: two 4-bit codes a byte, the low nibble first; scales
+    [E, out, in / 32] uint8: a power of two per 32 inputs, biased by 127. Exact in float32."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ModelLoadError(f"mxfp4 blocks {blocks.shape} do not match scales {scales.shape}")
+    values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
+    exponents = scales.astype(np.int32)[..., None] - 127  # [E, out, in / 32, 1]
+    weights = np.ldexp(values.reshape(*scales.shape, 32), exponents)
+    return weights.reshape(*scales.shape[:2], -1).transpose(0, 2, 1)
+
+
+def mxfp4_getter(tensors: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+    """A tensor getter that reads a name missing from the files from its MXFP4 blocks and
+    scales (NAME_blocks, NAME_scales), dequantized."""
+
+    def get(name: str) -> np.ndarray:
+        try:
+            return tensors(name)
+        except KeyError:
+            blocks, scales = tensors(f"{name}_blocks"), tensors(f"{name}_scales")
+            return dequantize_mxfp4(blocks, scales)
+
+    return get
 
 
 def _fused_blocks(

@@ -133,3 +133,65 @@ def test_a_bf16_checkpoint_loads_in_bf16_without_a_float32_copy_on_the_host():
     got = measure(model, ROOT)
     assert got["dtypes"] == ["bfloat16"]
     assert got["peak_growth"] < 3.6 * checkpoint, got["peak_growth"] / checkpoint
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """gpt-oss as published: its experts' weights as MXFP4 blocks and scales
+    (NAME_blocks, NAME_scales, quantization_config mxfp4). They load as the float32 values
+    transformers' own dequantization gives, and the logits match a transformers model holding
+    those values; another quantization method is refused, naming it."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kernels_pallas.kv_cache import allocate_kv_cache
+    from kernels_pallas.metadata import build_metadata, token_positions
+    from models.llama import forward_logits_jit
+    from pagedjax.core.memory import KVCacheSpec
+
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    packed = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p)
+            )
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, inputs, outputs = p.shape
+                blocks = rng.integers(0, 256, (experts, outputs, inputs // 32, 16), np.uint8)
+                scales = rng.integers(121, 125, (experts, outputs, inputs // 32), np.uint8)
+                p.copy_(convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                   dtype=torch.float32))  # fmt: skip
+                packed[name] = (blocks, scales)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+
+    ours, params = load_model(tmp_path)
+    prompt = rng.integers(0, 64, 19).astype(np.int32)
+    spec = KVCacheSpec(ours.num_layers, ours.num_kv_heads, ours.head_dim, np.float32)
+    logits, _ = forward_logits_jit(
+        params, ours, prompt, token_positions([19], [19], 19), allocate_kv_cache(spec, 4, 8),
+        build_metadata([19], [19], [[1, 2, 3]], 8), np.arange(19, dtype=np.int32),
+    )  # fmt: skip
+    with torch.no_grad():
+        want = model(torch.tensor([prompt.tolist()])).logits[0].numpy()
+    assert np.max(np.abs(np.asarray(logits) - want)) < 1e-4
+    hf_config["quantization_config"] = {"quant_method": "gptq"}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(ModelLoadError, match="quantized as 'gptq'"):
+        load_model(tmp_path)

@@ -35,7 +35,12 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# Whether the top-k routing weights are renormalized, where the file does not say
+# (`{arch}.expert_weights_norm`): llama.cpp's choice for each, and its models' configs'.
+_NORMALIZE_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 # llama.cpp's Gemma converters store each RMSNorm weight as 1 + w; Hugging Face names hold w.
 _NORMS_SHIFTED = ("gemma3",)
 # llama.cpp's Gemma 3: every 6th layer attends globally, the others slide with a RoPE base
@@ -76,6 +81,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, the experts stacked [E, out, in] (split into
+    # Hugging Face's one tensor per expert, "{e}"), Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Gemma's four norms a layer: its "ffn_norm" is the one before the MLP.
 _GEMMA_LAYER_NAMES = {
@@ -428,6 +443,8 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
 
     if arch == "gemma3":
         config.update(_gemma3_config(config, int(get("attention.sliding_window"))))
+    if arch in _NORMALIZE_TOP_K:
+        config.update(_moe_config(meta, arch, names, config["num_hidden_layers"]))
     prefix = f"{arch}.rope.scaling."
     scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     if scaling.get("type", "none") != "none":
@@ -440,6 +457,21 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
             rope_scaling[key] = _config_float(value) if isinstance(value, float) else value
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _moe_config(meta: dict[str, Any], arch: str, names: dict, layers: int) -> dict:
+    """A Qwen mixture of experts' fields as its Hugging Face config spells them; layers whose
+    MLP the file holds as a dense one are `mlp_only_layers`."""
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in names]
+    return {
+        "num_experts": int(meta[f"{arch}.expert_count"]),
+        "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORMALIZE_TOP_K[arch])),
+        "mlp_only_layers": dense,
+        **({"shared_expert_intermediate_size": int(shared)} if shared else {}),
+    }
 
 
 def _gemma3_config(config: dict, window: int) -> dict:
@@ -563,13 +595,24 @@ def read_gguf(
     permute = config["model_type"] == "llama"
     data = np.frombuffer(buf, np.uint8)
 
-    def load(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray | BlockCodes]:
+    def load(job: tuple[str, _TensorInfo]) -> list[tuple[str, np.ndarray | BlockCodes]]:
         name, t = job
-        raw = data[data_start + t.offset : data_start + t.offset + t.nbytes]
+        if "{e}" in name:  # experts stacked [E, out, in]: one Hugging Face tensor each
+            w = dequantize(raw(t), t.qtype, t.shape)
+            return [(name.format(e=e), w[e]) for e in range(w.shape[0])]
+        if name.endswith("shared_expert_gate.weight") and len(t.shape) == 1:
+            return [(name, dequantize(raw(t), t.qtype, t.shape)[None, :])]  # HF's [1, H]
+        return [load_one(job)]
+
+    def raw(t: _TensorInfo) -> np.ndarray:
+        return data[data_start + t.offset : data_start + t.offset + t.nbytes]
+
+    def load_one(job: tuple[str, _TensorInfo]) -> tuple[str, np.ndarray | BlockCodes]:
+        name, t = job
         try:
-            w = block_codes(raw, t.qtype, t.shape) if keep_blocks else None
+            w = block_codes(raw(t), t.qtype, t.shape) if keep_blocks else None
             if w is None:
-                w = dequantize(raw, t.qtype, t.shape)
+                w = dequantize(raw(t), t.qtype, t.shape)
                 if shifted and name.endswith("norm.weight"):
                     w -= 1.0  # the Hugging Face weight (the loader adds the 1 back)
             heads = n_heads if ".self_attn.q_proj." in name else n_kv
@@ -584,7 +627,7 @@ def read_gguf(
 
     # numpy releases the GIL in these element-wise loops, so threads use every core.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        tensors = dict(pool.map(load, jobs))
+        tensors = dict(pair for pairs in pool.map(load, jobs) for pair in pairs)
     return config, tensors
 
 
@@ -639,7 +682,7 @@ def _tokenizer_class(architecture: str) -> type:
     """
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    if architecture in ("qwen2", "qwen3"):
+    if architecture in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
         return Qwen2Tokenizer

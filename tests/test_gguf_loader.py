@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import time
@@ -828,3 +829,84 @@ def test_engine_runs_a_gguf_quantized_weights_as_stored(tmp_path: Path, monkeypa
     assert isinstance(
         LLMEngine(settings, tokenizer=tokenizer).engine_core.worker.params["embed"], jax.Array
     )
+
+
+def write_moe_gguf(path: Path, hf_dir: Path, arch: str) -> None:
+    """A tiny Hugging Face Qwen mixture of experts written as llama.cpp's converter lays it
+    out (float32): each layer's experts stacked [E, out, in] in one tensor per projection,
+    the shared expert's gate a vector; layers without experts keep their dense MLP."""
+    from safetensors.numpy import load_file
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    hf.setdefault("num_experts", hf.get("num_local_experts"))  # v5's name for Qwen3-MoE's
+    state = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch)
+    fields = {
+        "block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
+        "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],
+        "attention.head_count": hf["num_attention_heads"],
+        "attention.head_count_kv": hf["num_key_value_heads"],
+        "attention.key_length": hf["head_dim"], "vocab_size": hf["vocab_size"],
+        "expert_count": hf["num_experts"], "expert_used_count": hf["num_experts_per_tok"],
+        "expert_feed_forward_length": hf["moe_intermediate_size"],
+    }  # fmt: skip
+    if hf.get("shared_expert_intermediate_size"):
+        fields["expert_shared_feed_forward_length"] = hf["shared_expert_intermediate_size"]
+    for key, value in fields.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta") or hf["rope_theta"]
+    writer.add_float32(f"{arch}.rope.freq_base", theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", hf["rms_norm_eps"])
+    writer.add_bool(f"{arch}.expert_weights_norm", bool(hf["norm_topk_prob"]))
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+             "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj"}  # fmt: skip
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if "lm_head.weight" in state:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for short, name in names.items():
+            for kind in ("weight", "bias"):
+                if f"{p}{name}.{kind}" in state:
+                    writer.add_tensor(f"blk.{i}.{short}.{kind}", state[f"{p}{name}.{kind}"])
+        if f"{p}mlp.shared_expert_gate.weight" in state:
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight",
+                              state[f"{p}mlp.shared_expert_gate.weight"][0])  # fmt: skip
+        for proj in ("gate", "up", "down"):
+            experts = [state.get(f"{p}mlp.experts.{e}.{proj}_proj.weight")
+                       for e in range(hf["num_experts"])]  # fmt: skip
+            if experts[0] is not None:
+                writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", np.stack(experts))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+def test_qwen_mixtures_of_experts_read_from_gguf_give_transformers_logits(
+    tmp_path: Path, tiny_model_dir, name: str, arch: str
+) -> None:
+    """Qwen3-MoE (a dense layer between expert ones, renormalized top-k) and Qwen2-MoE (a
+    shared expert, q/k/v biases) as GGUF files: the config the file implies, and the logits
+    of the Hugging Face model they were written from."""
+    import torch
+
+    from models.loader import load_model
+
+    hf_dir, hf_model = tiny_model_dir(name)
+    write_moe_gguf(tmp_path / "m.gguf", hf_dir, arch)
+    config, params = load_model(tmp_path / "m.gguf")
+    want_config, _ = load_model(hf_dir)
+    assert config.moe == want_config.moe and config.architecture == want_config.architecture
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 13)  # tiny_logits' own
+    with torch.no_grad():
+        want = hf_model(torch.tensor(tokens[None])).logits[0].numpy()
+    np.testing.assert_allclose(tiny_logits(config, params), want, atol=1e-4)

@@ -166,8 +166,15 @@ def merge_splits(
     acc: jax.Array,  # [..., splits, M, D] float32
     m: jax.Array,  # [..., splits, M]
     denom: jax.Array,  # [..., splits, M]
+    sinks: jax.Array | None = None,  # [..., 1, M] each row's sink logit (gpt-oss)
 ) -> jax.Array:  # [..., M, D] float32, 0 where no split saw a key
-    """The splits' unnormalised partials of each row merged into its normalised output."""
+    """The splits' unnormalised partials of each row merged into its normalised output; a
+    sink joins as one more split that saw one key of its logit and no value."""
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks, (*m.shape[:-2], 1, m.shape[-1]))
+        m = jnp.concatenate([m, sinks], axis=-2)
+        denom = jnp.concatenate([denom, jnp.ones_like(sinks)], axis=-2)
+        acc = jnp.concatenate([acc, jnp.zeros_like(acc[..., :1, :, :])], axis=-3)
     m_max = jnp.max(m, axis=-2, keepdims=True)
     # Empty splits have m = -inf, l = 0, acc = 0; where every split is empty (a padding
     # sequence) a finite m_max keeps exp(m - m_max) at 0 instead of NaN.
@@ -200,6 +207,7 @@ def decode_attention_kernel(
     window: jax.Array,  # [] int32, 0 = unlimited (read only if use_window)
     k_scale: jax.Array | None,
     v_scale: jax.Array | None,
+    sinks: jax.Array | None = None,  # [Hq] float32 sink logits (gpt-oss)
     *,
     scale: float,
     soft_cap: float | None,
@@ -263,7 +271,10 @@ def decode_attention_kernel(
         interpret=interpret,
         name="decode_attention_split_k",
     )
-    out = merge_splits(acc, m, denom)  # [S, Hkv, M, D]
+    if sinks is not None:  # [Hq] -> [1, Hkv, 1, M], the padded rows' 0 unread
+        sinks = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group),
+                        ((0, 0), (0, rows - group)))[None, :, None, :]  # fmt: skip
+    out = merge_splits(acc, m, denom, sinks)  # [S, Hkv, M, D]
     v_scales = scales[1][layer]  # [Hkv]
     out = out[:, :, :group] * v_scales[None, :, None, None]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -97,6 +97,7 @@ def paged_attention(
     software_fp8: bool | None = None,
     ragged_config: RaggedConfig = DEFAULT_RAGGED_CONFIG,
     decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype; padding tokens get 0
     """Causal attention of each new token over its sequence's paged context (see reference).
 
@@ -110,7 +111,8 @@ def paged_attention(
     chooses at run time on T == S buckets (module docstring). `invariant`: every token runs
     the ragged kernel (decode_only is ignored, no split-K), so its result is the same bits
     whatever the step's batch: its KV tiles start at fixed positions and are summed in order,
-    and a row's dots and softmax never mix with other rows'.
+    and a row's dots and softmax never mix with other rows'. `sinks` [Hq]: a logit per head
+    in every softmax that no value goes with (gpt-oss).
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
@@ -122,7 +124,7 @@ def paged_attention(
     if k_scale is None and v_scale is None:  # an fp8 pool carries its own scales
         k_scale, v_scale = cache.k_scale, cache.v_scale
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    operands = (cache, jnp.asarray(layer, jnp.int32), metadata, window, k_scale, v_scale)
+    operands = (cache, jnp.asarray(layer, jnp.int32), metadata, window, k_scale, v_scale, sinks)
     static = dict(
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
@@ -149,7 +151,7 @@ def paged_attention(
     return lax.cond(jnp.all(qsl[1:] - qsl[:-1] <= 1), decode, ragged, q)
 
 
-def _ragged(q, cache, layer, metadata, window, k_scale, v_scale, **static):
+def _ragged(q, cache, layer, metadata, window, k_scale, v_scale, sinks, **static):
     """The ragged kernel on the step's flat batch."""
     return ragged_paged_attention_kernel(
         q,
@@ -162,6 +164,7 @@ def _ragged(q, cache, layer, metadata, window, k_scale, v_scale, **static):
         window,
         k_scale,
         v_scale,
+        sinks,
         **static,
     )
 
@@ -173,7 +176,7 @@ def _routes_long_rows(cache: KVCache, metadata: AttentionMetadata, config: Decod
     return config.mixed_long_rows > 0 and max_context >= 2 * config.min_tokens_per_split
 
 
-def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, *, configs, **static):
+def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, configs, **static):
     """The ragged kernel on the step, but for its first `mixed_long_rows` decode rows of at
     least 2 x min_tokens_per_split positions: those run split-K, and the ragged kernel sees
     them as one-position contexts (cheap; their output is replaced)."""
@@ -185,7 +188,9 @@ def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, *, configs, **st
     (rows,) = jnp.nonzero(long, size=num_rows, fill_value=num_seqs)  # [R]; num_seqs: none
     picked = jnp.zeros(num_seqs, bool).at[rows].set(True, mode="drop")
     short = dataclasses.replace(metadata, seq_lens=jnp.where(picked, 1, seq_lens))
-    out = _ragged(q, cache, layer, short, window, k_scale, v_scale, config=ragged_config, **static)
+    out = _ragged(
+        q, cache, layer, short, window, k_scale, v_scale, sinks, config=ragged_config, **static
+    )
     real = rows < num_seqs
     row = jnp.minimum(rows, num_seqs - 1)
     token = qsl[row]  # [R] each long row's one new token
@@ -199,13 +204,14 @@ def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, *, configs, **st
         window,
         k_scale,
         v_scale,
+        sinks,
         config=decode_config,
         **static,
     )
     return out.at[jnp.where(real, token, num_tokens)].set(long_out, mode="drop")
 
 
-def _decode(q, cache, layer, metadata, window, k_scale, v_scale, **static):
+def _decode(q, cache, layer, metadata, window, k_scale, v_scale, sinks, **static):
     """The split-K kernel on each sequence's one new token, scattered back to the flat batch."""
     num_tokens = q.shape[0]
     qsl = metadata.query_start_loc
@@ -221,6 +227,7 @@ def _decode(q, cache, layer, metadata, window, k_scale, v_scale, **static):
         window,
         k_scale,
         v_scale,
+        sinks,
         **static,
     )
     target = jnp.where(has_query, token, num_tokens)  # padding sequences write nothing
@@ -252,6 +259,7 @@ PALLAS = FunctionBackend(
     check=_supports,
     has_decode_kernel=True,
     fit_num_blocks=in_place_num_blocks,
+    takes_sinks=True,
 )
 
 __all__ = [

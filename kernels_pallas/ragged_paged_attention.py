@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import pallas_common
 from kernels_pallas.metadata import next_power_of_2, pad_block_tables
+from kernels_pallas.reference import MASK_VALUE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ def _ragged_kernel(
     query_start_ref,  # [S + 1] int32
     seq_lens_ref,  # [S] int32
     block_tables_ref,  # [S, B'] int32
+    sinks_ref,  # [Hkv, Gp] float32 sink logits (read only if use_sinks)
     q_ref,  # [R, D] rows (token, head) of this KV head's group, R = T * Gp + M
     k_ref,  # [L, N, block_size, D] this KV head's pool
     v_ref,  # [L, N, block_size, D]
@@ -110,6 +112,7 @@ def _ragged_kernel(
     tokens_per_block: int,
     loop: pallas_common.TileLoop,
     use_window: bool,
+    use_sinks: bool,
 ):
     work, head = pl.program_id(0), pl.program_id(1)
     seq = work_seq_ref[work]
@@ -153,9 +156,12 @@ def _ragged_kernel(
 
         q = q_ref[pl.ds(first_token * group_padded, rows), :]  # [M, D]
         tiles, scale = (tile_start, num_tiles), scales_ref[0, layer, head]
-        acc, _, denom = pallas_common.attend_kv_tiles(
+        acc, m, denom = pallas_common.attend_kv_tiles(
             loop, q, k_ref, v_ref, block_tables_ref, seq, layer, tiles, visible, key_valid, scale
         )
+        if use_sinks:  # one more key of the sink's logit, with no value (gpt-oss)
+            sink = sinks_ref[head, lax.rem(row, group_padded)]  # [M]
+            denom = denom + jnp.exp(sink - m)
         v_scale = scales_ref[1, layer, head]
         out = acc * (v_scale / jnp.where(denom > 0, denom, 1.0))[:, None]
         row_valid = jnp.broadcast_to((row_token < block_tokens)[:, None], (rows, head_dim))
@@ -164,6 +170,15 @@ def _ragged_kernel(
             out.astype(o_ref.dtype),
             mask=row_valid,
         )
+
+
+def _sink_rows(sinks: jax.Array | None, num_kv_heads: int, group: int, group_padded: int):
+    """[Hq] sink logits -> [Hkv, Gp] float32 (the padded heads' MASK_VALUE adds exp(-inf) = 0);
+    without sinks a [1, 1] placeholder the kernel does not read."""
+    if sinks is None:
+        return jnp.zeros((1, 1), jnp.float32)
+    rows = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    return jnp.pad(rows, ((0, 0), (0, group_padded - group)), constant_values=MASK_VALUE)
 
 
 def work_items(
@@ -217,6 +232,7 @@ def ragged_paged_attention_kernel(
     window: jax.Array,  # [] int32, 0 = unlimited (read only if use_window)
     k_scale: jax.Array | None,
     v_scale: jax.Array | None,
+    sinks: jax.Array | None = None,  # [Hq] float32 sink logits (gpt-oss)
     *,
     scale: float,
     soft_cap: float | None,
@@ -246,6 +262,7 @@ def ragged_paged_attention_kernel(
         query_start_loc.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
         pad_block_tables(block_tables.astype(jnp.int32), kv_tile // block_size),
+        _sink_rows(sinks, num_kv_heads, group, group_padded),
     )
     kernel = functools.partial(
         _ragged_kernel,
@@ -253,6 +270,7 @@ def ragged_paged_attention_kernel(
         tokens_per_block=tokens_per_block,
         loop=pallas_common.TileLoop(kv_tile, soft_cap, software_fp8, config.num_stages),
         use_window=use_window,
+        use_sinks=sinks is not None,
     )
     out_rows = pallas_common.launch(
         kernel,

@@ -357,6 +357,31 @@ def test_backend_call_matches_reference():
     assert_matches(out, expected(q, cache, 1, metadata, **kwargs), metadata, jnp.float32)
 
 
+@pytest.mark.parametrize("path", ["ragged", "decode", "mixed"])
+def test_attention_sinks_match_the_reference(path):
+    """gpt-oss's sinks, a logit per query head in every softmax: the ragged kernel adds each
+    row's exp(sink - max) to its sum, split-K merges the sink as one more split; the mixed
+    route (a long decode row split) runs both. Sinks of either sign, some far above the
+    scores, so a head's output shrinks visibly; padding rows stay 0."""
+    seqs = {"ragged": MIXED, "decode": [(1, c) for c in (1, 40, 300, 9)],
+            "mixed": [(5, 9), (1, 600), (3, 30)]}[path]  # fmt: skip
+    q, cache, metadata = make_case(
+        4, seqs, block_size=8, num_kv_heads=2, group=3, head_dim=32,
+        num_tokens_padded=sum(n for n, _ in seqs) + 3, num_seqs_padded=len(seqs) + 1,
+        max_blocks_per_seq=80,
+    )  # fmt: skip
+    sinks = jnp.asarray([-2.0, 0.5, 3.0, 8.0, -30.0, 1.0], jnp.float32)
+    kwargs = dict(scale=32**-0.5, sliding_window=jnp.int32(200), sinks=sinks)
+    config = DecodeConfig(min_tokens_per_split=64)  # the 600-token row splits in "mixed"
+    out = paged_attention(q, cache, jnp.int32(1), metadata, interpret=INTERPRET,
+                          decode_only=path == "decode" or None, decode_config=config,
+                          **kwargs)  # fmt: skip
+    want = expected(q, cache, 1, metadata, **kwargs)
+    assert_matches(out, want, metadata, jnp.float32)
+    plain = expected(q, cache, 1, metadata, scale=32**-0.5, sliding_window=jnp.int32(200))
+    assert not np.allclose(want, plain, atol=1e-3)  # the sinks matter here
+
+
 # --- CUDA lowering on a CPU-only host ------------------------------------------------------
 
 
@@ -397,6 +422,26 @@ def test_kernel_lowers_for_cuda(
     assert len(targets) == 1, targets  # one Triton kernel, no Mosaic GPU, no fallback
     for kernel_ir in triton_kernels(lowered):  # Triton IR embedded: the two dots are tt.dot
         assert triton_ir_text(kernel_ir).count("tt.dot") == 2
+
+
+def test_kernels_with_sinks_lower_for_cuda():
+    """The ragged and split-K kernels with sinks (bf16 pool, a mixed step's route to both)."""
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    pool = jax.ShapeDtypeStruct((2, 8, 512, 16, 64), jnp.bfloat16)
+    metadata = AttentionMetadata(i32((256,)), i32((64, 128)), i32((64,)), i32((65,)),
+                                 i32(()), i32(()))  # fmt: skip
+    attention = functools.partial(
+        paged_attention, scale=0.125, sliding_window=None, interpret=False
+    )
+    with cuda_target(90):
+        lowered = jax.jit(attention).trace(
+            jax.ShapeDtypeStruct((256, 64, 64), jnp.bfloat16), KVCache(pool, pool),
+            jnp.int32(0), metadata, sinks=f32((64,)),
+        ).lower(lowering_platforms=("cuda",))  # fmt: skip
+    assert len(triton_call_targets(lowered)) == 2  # ragged, and split-K for long rows
+    for kernel_ir in triton_kernels(lowered):
+        triton_ir_text(kernel_ir)
 
 
 # The default model's shapes (SmolLM2-135M: head_dim 64, 9 query heads on 3 KV heads), the

@@ -51,7 +51,7 @@ from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
 from models.moe import MOE_WEIGHTS, moe_mlp, swiglu
-from models.weights import LinearWeight, StackedLinearWeight
+from models.weights import LinearWeight, layer_matmul
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
@@ -97,15 +97,6 @@ def embed_tokens(params: Params, token_ids: jax.Array, axis_name: str | None = N
     inside = (local >= 0) & (local < table.shape[0])
     rows = table[jnp.clip(local, 0, table.shape[0] - 1)]
     return all_reduce(jnp.where(inside[:, None], rows, jnp.zeros_like(rows)), axis_name)
-
-
-def layer_matmul(
-    x: jax.Array, weight: jax.Array | StackedLinearWeight, layer: jax.Array
-) -> jax.Array:
-    """x @ weight[layer], for a stacked array or a weight type that multiplies by itself."""
-    if isinstance(weight, StackedLinearWeight):
-        return weight.layer_matmul(x, layer)
-    return x @ weight[layer]
 
 
 def ordered_sum(x: jax.Array) -> jax.Array:

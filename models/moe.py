@@ -32,7 +32,7 @@ from kernels_pallas.grouped_matmul import (
     tile_rows,
 )
 from models.config import ModelConfig, MoeConfig
-from models.weights import GroupedLinearWeight
+from models.weights import GroupedLinearWeight, layer_matmul
 
 Weights = dict  # name -> a weight stacked over the expert layers (see the module docstring)
 
@@ -66,7 +66,7 @@ def route(moe: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def router_logits(moe: MoeConfig, weights: Weights, h: jax.Array, layer: jax.Array) -> jax.Array:
     """[T, H] -> [T, E]."""
-    logits = h @ weights["router"][layer]
+    logits = layer_matmul(h, weights["router"], layer)
     return logits + weights["router_bias"][layer] if moe.router_bias else logits
 
 
@@ -102,9 +102,9 @@ def swiglu(gate_up: jax.Array, activation) -> jax.Array:
 
 def _shared_expert(weights: Weights, h: jax.Array, layer: jax.Array, activation) -> jax.Array:
     """Qwen2-MoE's shared expert, scaled by sigmoid(h @ gate): [T, H] -> [T, H]."""
-    hidden = swiglu(h @ weights["shared_gate_up"][layer], activation)
-    out = hidden @ weights["shared_down"][layer]
-    return jax.nn.sigmoid(h @ weights["shared_gate"][layer]) * out
+    hidden = swiglu(layer_matmul(h, weights["shared_gate_up"], layer), activation)
+    out = layer_matmul(hidden, weights["shared_down"], layer)
+    return jax.nn.sigmoid(layer_matmul(h, weights["shared_gate"], layer)) * out
 
 
 def moe_mlp(

@@ -59,6 +59,15 @@ class GroupedLinearWeight(Protocol):
     ) -> jax.Array: ...  # [P, K] -> [P, N]
 
 
+def layer_matmul(
+    x: jax.Array, weight: jax.Array | StackedLinearWeight, layer: jax.Array
+) -> jax.Array:
+    """x @ weight[layer], for a stacked array or a weight type that multiplies by itself."""
+    if isinstance(weight, StackedLinearWeight):
+        return weight.layer_matmul(x, layer)
+    return x @ weight[layer]
+
+
 def widen_blocks(codes: jax.Array, scales: jax.Array, offsets: jax.Array, bits: int) -> jax.Array:
     """Codes [..., K * bits / 8] with scales and offsets [..., K / 32] -> float32 [..., K].
 

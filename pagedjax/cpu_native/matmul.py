@@ -29,6 +29,9 @@ TARGET = "pagedjax_packed_matmul"
 QUANTIZED_TARGET = "pagedjax_quantized_matmul"
 GROUPED_TARGET = "pagedjax_grouped_packed_matmul"
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # a mixture's (`models/moe.py`)
+# A mixture's other products, stacked over its expert layers like the dense weights: packed,
+# so every row's product is the kernel's sum in order (batch-invariant) as the experts' are.
+ROUTER_WEIGHTS = ("router", "shared_gate_up", "shared_down", "shared_gate")
 PANEL = 24  # output columns per panel (the kernel's register tile is 4 rows x 24 columns)
 
 
@@ -198,7 +201,7 @@ def pack_params(params: Params) -> Params:
     as `PackedLayers`, the LM head as one packed weight. With tied embeddings the packed head
     is the embeddings' transpose and replaces them (its `take_columns` serves the lookup)."""
     layers = dict(params["layers"])
-    for name in MATMUL_WEIGHTS:
+    for name in MATMUL_WEIGHTS + ROUTER_WEIGHTS:
         if name in layers:  # a mixture of experts may have no dense MLP
             layers[name] = _pack_stacked(layers[name])
     for name in EXPERT_WEIGHTS:

@@ -156,11 +156,6 @@ class Worker:
         self.num_host_blocks = self._host_blocks()
         backends = platform.attention_backends(config.attention_backend, self.attention_spec)
         if config.batch_invariant:
-            if model_config.moe is not None:  # XLA's dot picks its sums by shape
-                raise ValueError(
-                    "batch_invariant=True has no batch-invariant expert kernel for a "
-                    "mixture-of-experts model yet: drop batch_invariant"
-                )
             backends = (platform.batch_invariant_backend(backends[0], dtype),)
         self._start(backends)
         if config.calculate_kv_scales:

@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -42,7 +43,7 @@ ARCHITECTURES = {
 # (`{arch}.expert_weights_norm`): llama.cpp's choice for each, and its models' configs'.
 _NORMALIZE_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 # llama.cpp's Gemma converters store each RMSNorm weight as 1 + w; Hugging Face names hold w.
-_NORMS_SHIFTED = ("gemma3",)
+_NORMS_SHIFTED = ("gemma2", "gemma3")
 # llama.cpp's Gemma 3: every 6th layer attends globally, the others slide with a RoPE base
 # of 10,000 (its hard-coded values, as Hugging Face's Gemma3TextConfig defaults too).
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
@@ -441,6 +442,8 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
         if token_id is not None:
             config[f"{hf_key}_token_id"] = int(token_id)
 
+    if arch == "gemma2":
+        config.update(_gemma2_config(config, meta))
     if arch == "gemma3":
         config.update(_gemma3_config(config, int(get("attention.sliding_window"))))
     if arch in _NORMALIZE_TOP_K:
@@ -471,6 +474,25 @@ def _moe_config(meta: dict[str, Any], arch: str, names: dict, layers: int) -> di
         "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORMALIZE_TOP_K[arch])),
         "mlp_only_layers": dense,
         **({"shared_expert_intermediate_size": int(shared)} if shared else {}),
+    }
+
+
+def _gemma2_config(config: dict, meta: dict[str, Any]) -> dict:
+    """What a Gemma 2 GGUF leaves to llama.cpp's code: every other layer slides (the first
+    does), and the attention scale is 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for
+    the 27B (46 layers), as llama.cpp hard-codes and Hugging Face's configs say."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    scalar = config["hidden_size"] // heads if layers == 46 else config["head_dim"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(meta["gemma2.attention.sliding_window"]),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": _config_float(meta["gemma2.attn_logit_softcapping"]),
+        "final_logit_softcapping": _config_float(meta["gemma2.final_logit_softcapping"]),
     }
 
 
@@ -686,7 +708,7 @@ def _tokenizer_class(architecture: str) -> type:
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
         return Qwen2Tokenizer
-    if architecture == "gemma3":
+    if architecture in ("gemma2", "gemma3"):
         from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
 
         return GemmaTokenizer

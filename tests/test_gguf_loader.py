@@ -99,7 +99,7 @@ def write_tiny_gguf(
     h, i, v = t["hidden"], t["inter"], t["vocab"]
     expected: dict[str, np.ndarray] = {}
 
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma2", "gemma3")
     if gemma:
         writer.add_uint32(f"{arch}.attention.sliding_window", 5)
 
@@ -554,6 +554,35 @@ def test_tiny_gemma3_norms_shifted_back_and_its_logits_match_transformers(tmp_pa
     # at 1e-3; the two implementations agree to a few units in the fifth digit of the largest.
     scale = float(np.abs(want).max())
     np.testing.assert_allclose(tiny_logits(model_config, params), want, atol=5e-5 * scale)
+
+
+def test_tiny_gemma2_soft_caps_and_alternating_windows_match_transformers(tmp_path: Path) -> None:
+    """A Gemma 2 GGUF as llama.cpp writes it (norms stored as 1 + w, the soft caps in the
+    metadata, every other layer sliding by llama.cpp's code): logits equal to transformers'
+    own GGUF loading, which takes Gemma 2's default caps (50 and 30, written here too)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import load_model
+
+    meta = {"gemma2.vocab_size": TINY["vocab"], "gemma2.attn_logit_softcapping": 50.0,
+            "gemma2.final_logit_softcapping": 30.0}  # fmt: skip
+    write_tiny_gguf(tmp_path / "m.gguf", "gemma2", head_dim=256, extra_meta=meta)
+    config, _ = read_gguf(tmp_path / "m.gguf")
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    model_config, params = load_model(tmp_path / "m.gguf")
+    assert model_config.final_logit_softcap == 30.0 and model_config.attention_scale == 1 / 16
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
+                                              dtype=torch.float32).eval()  # fmt: skip
+    tokens = np.random.default_rng(0).integers(0, model_config.vocab_size, 13)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens[None])).logits[0].numpy()
+    # The writer's all-positive weights make this model ill-conditioned in float32: our
+    # reference and XLA attentions differ by 1.2e-2 here, transformers float32 by 2e-3 from
+    # its float64. Without the attention cap the gap is 4e-2, with no window 0.33.
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(tiny_logits(model_config, params), want, atol=1e-3 * scale)
 
 
 def test_rope_scaling_metadata(tmp_path: Path) -> None:

@@ -206,14 +206,7 @@ def _stack_params(
         return to_array(buffer)
 
     def fused(parts: tuple[str, ...], width: int) -> Callable[[str], np.ndarray]:
-        def layer(p: str) -> np.ndarray:
-            ws = [get(f"{p}{part}.weight").T for part in parts]
-            if sum(w.shape[1] for w in ws) != width:  # would leave columns unset
-                columns = sum(w.shape[1] for w in ws)
-                raise ValueError(f"{p}{'+'.join(parts)}: {columns} outputs, not {width}")
-            return np.concatenate(ws, axis=1) if len(ws) > 1 else ws[0]
-
-        return layer
+        return _fused(get, parts, width)
 
     matmul_shapes = {
         "wqkv": (H, Q + 2 * KV),
@@ -245,29 +238,7 @@ def _stack_params(
         elif dense_layers:  # a mixture of experts' dense layers only
             layers[name] = stacked(shape, fused(parts, shape[1]), dense_layers)
     if config.moe is not None:
-        expert_layers = config.mlp_layers(experts=True)
-        shapes = moe_shapes(config)
-        for name, parts in moe_matmuls(config).items():
-            shape = shapes[name]
-            if "{e}" not in parts[0]:
-                layers[name] = stacked(shape, fused(parts, shape[-1]), expert_layers)
-                continue
-
-            def experts(p: str, parts=parts, width=shape[-1]) -> np.ndarray:
-                each = [
-                    fused(tuple(part.format(e=e) for part in parts), width)(p)
-                    for e in range(config.moe.num_experts)
-                ]
-                return np.stack(each)
-
-            layers[name] = stacked(shape, experts, expert_layers)
-        for name, (hf, interleaved) in stacked_experts(config).items():
-
-            def tensor(p: str, hf=hf, interleaved=interleaved) -> np.ndarray:
-                w = get(f"{p}{hf}")
-                return deinterleave(w) if interleaved else w
-
-            layers[name] = stacked(shapes[name], tensor, expert_layers)
+        layers.update(_stack_experts(config, get, stacked))
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(
@@ -291,6 +262,49 @@ def _stack_params(
     elif not config.tie_word_embeddings:
         params["lm_head"] = single("lm_head.weight", transpose=True)
     return params
+
+
+def _fused(get: TensorGetter, parts: tuple[str, ...], width: int) -> Callable[[str], np.ndarray]:
+    """Layer prefix -> the HF projections `parts` ([out, in] each) as one [in, width]."""
+
+    def layer(p: str) -> np.ndarray:
+        ws = [get(f"{p}{part}.weight").T for part in parts]
+        if sum(w.shape[1] for w in ws) != width:  # would leave columns unset
+            columns = sum(w.shape[1] for w in ws)
+            raise ValueError(f"{p}{'+'.join(parts)}: {columns} outputs, not {width}")
+        return np.concatenate(ws, axis=1) if len(ws) > 1 else ws[0]
+
+    return layer
+
+
+def _stack_experts(config: ModelConfig, get: TensorGetter, stacked: Callable) -> Params:
+    """A mixture's weights, each stacked over the expert layers by `stacked(shape, layer,
+    indices)`: per-expert HF tensors fused and stacked over experts, or gpt-oss's stacked
+    ones with gate and up de-interleaved."""
+    expert_layers = config.mlp_layers(experts=True)
+    shapes, layers = moe_shapes(config), {}
+    for name, parts in moe_matmuls(config).items():
+        shape = shapes[name]
+        if "{e}" not in parts[0]:
+            layers[name] = stacked(shape, _fused(get, parts, shape[-1]), expert_layers)
+            continue
+
+        def experts(p: str, parts=parts, width=shape[-1]) -> np.ndarray:
+            each = [
+                _fused(get, tuple(part.format(e=e) for part in parts), width)(p)
+                for e in range(config.moe.num_experts)
+            ]
+            return np.stack(each)
+
+        layers[name] = stacked(shape, experts, expert_layers)
+    for name, (hf, interleaved) in stacked_experts(config).items():
+
+        def tensor(p: str, hf=hf, interleaved=interleaved) -> np.ndarray:
+            w = get(f"{p}{hf}")
+            return deinterleave(w) if interleaved else w
+
+        layers[name] = stacked(shapes[name], tensor, expert_layers)
+    return layers
 
 
 def _checked_getter(tensors: Callable[[str], np.ndarray], source: str) -> TensorGetter:

@@ -176,6 +176,7 @@ def expert_parallel_case(model_dir: str) -> dict:
     result["expert_bytes"] = {
         name: [layers[name].nbytes, [s.data.nbytes for s in layers[name].addressable_shards]]
         for name in MOE_WEIGHTS
+        if name in layers
     }
     result["collectives"] = {
         tokens: count_collectives(worker.runner.lower_step(tokens).compile().as_text())

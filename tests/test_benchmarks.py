@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,27 +34,60 @@ def _results_snapshot() -> dict[str, float]:
     return {p.name: p.stat().st_mtime for p in (BENCHMARKS / "results").glob("*")}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_benchmark_smoke_mode_runs(name, tmp_path):
-    if name in RUN_ELSEWHERE:
-        pytest.skip(RUN_ELSEWHERE[name])
-    source = (BENCHMARKS / f"{name}.py").read_text()
-    assert "add_smoke_flag" in source, f"benchmarks/{name}.py has no --smoke mode"
-    before = _results_snapshot()
-    env = dict(os.environ, **{SMOKE_RESULTS_ENV: str(tmp_path)})
+# Smoke runs at once: each is mostly one core's work (imports, a small model), and CI has two.
+CONCURRENT_RUNS = 2
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _smoke_run(name: str, results: Path) -> SmokeRun:
+    env = dict(os.environ, **{SMOKE_RESULTS_ENV: str(results / name)})
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    seconds = time.perf_counter() - start
-    output = proc.stdout[-4000:] + proc.stderr[-4000:]
-    if proc.returncode == SKIP_EXIT:
-        reason = [line for line in proc.stdout.splitlines() if line.startswith("skipped: ")]
+    return SmokeRun(proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """Every script's smoke run, started together, CONCURRENT_RUNS at a time: name -> its
+    future; and the results directory's snapshot from before any ran."""
+    before = _results_snapshot()
+    results = tmp_path_factory.mktemp("smoke_results")
+    with ThreadPoolExecutor(CONCURRENT_RUNS) as pool:
+        futures = {
+            name: pool.submit(_smoke_run, name, results)
+            for name in SCRIPTS
+            if name not in RUN_ELSEWHERE
+        }
+        yield futures, before
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_smoke_mode_runs(name, smoke_runs):
+    if name in RUN_ELSEWHERE:
+        pytest.skip(RUN_ELSEWHERE[name])
+    source = (BENCHMARKS / f"{name}.py").read_text()
+    assert "add_smoke_flag" in source, f"benchmarks/{name}.py has no --smoke mode"
+    futures, before = smoke_runs
+    run = futures[name].result()
+    output = run.stdout[-4000:] + run.stderr[-4000:]
+    if run.returncode == SKIP_EXIT:
+        reason = [line for line in run.stdout.splitlines() if line.startswith("skipped: ")]
         assert reason, f"exit {SKIP_EXIT} without a 'skipped: ' line:\n{output}"
         pytest.skip(f"benchmarks/{name}.py {reason[-1]}")
-    assert proc.returncode == 0, f"benchmarks/{name}.py --smoke failed:\n{output}"
-    assert proc.stdout.strip(), f"benchmarks/{name}.py --smoke printed nothing"
+    assert run.returncode == 0, f"benchmarks/{name}.py --smoke failed:\n{output}"
+    assert run.stdout.strip(), f"benchmarks/{name}.py --smoke printed nothing"
     assert _results_snapshot() == before, "a smoke run wrote into benchmarks/results/"
-    print(f"benchmarks/{name}.py --smoke: {seconds:.1f} s")
+    print(f"benchmarks/{name}.py --smoke: {run.seconds:.1f} s")

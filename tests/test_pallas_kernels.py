@@ -438,7 +438,7 @@ def test_kernels_with_sinks_lower_for_cuda():
     with cuda_target(90):
         lowered = jax.jit(attention).trace(
             jax.ShapeDtypeStruct((256, 64, 64), jnp.bfloat16), KVCache(pool, pool),
-            jnp.int32(0), metadata, sinks=f32((64,)),
+            i32(()), metadata, sinks=f32((64,)),
         ).lower(lowering_platforms=("cuda",))  # fmt: skip
     assert len(triton_call_targets(lowered)) == 2  # ragged, and split-K for long rows
     for kernel_ir in triton_kernels(lowered):

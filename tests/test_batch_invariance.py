@@ -106,7 +106,8 @@ def test_logprobs_are_the_same_however_the_request_is_scheduled(tiny, name):
     np.testing.assert_array_equal(crowded, alone)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])  # GQA; qk-norm, tied; soft caps
+# GQA; qk-norm, tied; soft caps; a mixture of experts (the grouped kernel, a shared expert)
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "qwen2_moe"])
 def test_dense_kernels_reproduce_the_engine_logprobs(tiny, name):
     path, _, config, params = tiny(name)
     llm = LLM(str(path), max_model_len=64, block_size=16, batch_invariant=True)
@@ -128,8 +129,9 @@ def test_dense_kernels_reproduce_the_engine_logprobs(tiny, name):
     assert gap < 1e-6
 
 
-def test_dense_kernels_gradients_are_xlas(tiny):
-    path, _, config, params = tiny("llama")
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])  # the experts' grouped kernel too
+def test_dense_kernels_gradients_are_xlas(tiny, name):
+    path, _, config, params = tiny(name)
     llm = LLM(str(path), max_model_len=64, block_size=16, batch_invariant=True)
     kernels = llm.dense_kernels()
     rng = np.random.default_rng(3)

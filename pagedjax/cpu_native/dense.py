@@ -19,13 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.grouped_matmul import ExpertTiles, grouped_matmul_xla
 from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.llama import MATMUL_WEIGHTS, Params
 from models.training import DenseKernels, dense_causal_attention
 from pagedjax.cpu_native.attention import paged_attention_cpu
-from pagedjax.cpu_native.matmul import PackedWeight, panels
+from pagedjax.cpu_native.matmul import (
+    EXPERT_WEIGHTS,
+    ROUTER_WEIGHTS,
+    PackedExperts,
+    PackedWeight,
+    expert_panels,
+    panels,
+)
 
 
 @jax.custom_vjp
@@ -73,13 +81,59 @@ class KernelHead:
         return self.weight.T[ids]
 
 
+@jax.custom_vjp
+def kernel_grouped_matmul(
+    x: jax.Array, w: jax.Array, groups: jax.Array, counts: jax.Array
+) -> jax.Array:  # [P, K], [G, K, N], [NT], [NT] -> [P, N]
+    """Each tile of x's rows times its group's weight by the C++ grouped kernel: the engine's
+    products of the same float32 values (`matmul.PackedExperts`)."""
+    packed = PackedExperts(expert_panels(w.astype(jnp.float32), jnp), 1, w.shape[2])
+    tiles = ExpertTiles(None, groups, counts, None, None)
+    return packed.grouped_matmul(x, jnp.int32(0), tiles).astype(x.dtype)
+
+
+def _grouped_fwd(x, w, groups, counts):
+    return kernel_grouped_matmul(x, w, groups, counts), (x, w, groups, counts)
+
+
+def _grouped_bwd(residuals, g):
+    x, w, groups, counts = residuals
+    _, vjp = jax.vjp(lambda x, w: grouped_matmul_xla(x, w, groups), x, w)
+    zeros = np.zeros(groups.shape, jax.dtypes.float0)
+    return (*vjp(g), zeros, zeros)
+
+
+kernel_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelExperts:
+    """A mixture's plain float32 [M, E, K, N] expert weights, multiplied by the grouped
+    kernel (differentiably)."""
+
+    weight: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    def grouped_matmul(self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles) -> jax.Array:
+        groups = layer * self.weight.shape[1] + tiles.tile_experts
+        weight = self.weight.reshape(-1, *self.weight.shape[2:])
+        return kernel_grouped_matmul(x, weight, groups.astype(jnp.int32), tiles.tile_counts)
+
+
 def prepare(params: Params) -> Params:
     """Plain float32 params with each matmul weight multiplied by the kernel, in the engine's
     structure (`matmul.pack_params`); weights a platform already packed stay as they are."""
     layers = dict(params["layers"])
-    for name in MATMUL_WEIGHTS:
+    for name in MATMUL_WEIGHTS + ROUTER_WEIGHTS:
         if isinstance(layers.get(name), jax.Array):
             layers[name] = KernelLayers(layers[name])
+    for name in EXPERT_WEIGHTS:
+        if isinstance(layers.get(name), jax.Array):
+            layers[name] = KernelExperts(layers[name])
     head = params.get("lm_head")
     if head is None:  # tied: the engine multiplies the embeddings' transpose
         head = KernelHead(params["embed"].T)

@@ -130,13 +130,19 @@ class PackedExperts:
         return out.astype(x.dtype)
 
 
+def expert_panels(w, xp=np):
+    """[G, K, N] -> [G, P, K, 24]: each group's `panels` (xp as there)."""
+    groups, k, n = w.shape
+    padded = -(-n // PANEL) * PANEL
+    w = xp.pad(w, ((0, 0), (0, 0), (0, padded - n)))
+    return w.reshape(groups, k, padded // PANEL, PANEL).transpose(0, 2, 1, 3)
+
+
 def pack_experts(weight: jax.Array | np.ndarray) -> PackedExperts:
     """[M, E, K, N] float32 -> PackedExperts (laid out with numpy, as `pack`)."""
     w = np.asarray(weight, np.float32)
     layers, experts, k, n = w.shape
-    padded = -(-n // PANEL) * PANEL
-    w = np.pad(w.reshape(layers * experts, k, n), ((0, 0), (0, 0), (0, padded - n)))
-    grouped = np.ascontiguousarray(w.reshape(-1, k, padded // PANEL, PANEL).transpose(0, 2, 1, 3))
+    grouped = np.ascontiguousarray(expert_panels(w.reshape(layers * experts, k, n)))
     return PackedExperts(jax.device_put(grouped), experts, n)
 
 

@@ -182,6 +182,18 @@ def expert_parallel_case(model_dir: str) -> dict:
         tokens: count_collectives(worker.runner.lower_step(tokens).compile().as_text())
         for tokens in (1, 64)
     }
+    # The GPU's layout (`GpuPlatform.prepare_split_params`): the experts wrapped for the
+    # Pallas kernel (interpreted here), each shard running its own; two prompts' first tokens.
+    from kernels_pallas.grouped_matmul import PallasExperts
+    from pagedjax import SamplingParams
+
+    layers = dict(worker.params["layers"])
+    for name in ("experts_gate_up", "experts_down"):
+        layers[name] = PallasExperts(layers[name], interpret=True)
+    worker.params = worker.runner.params = {**worker.params, "layers": layers}
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate(prompts()[:2], short, use_tqdm=False)
+    result["pallas_tokens"] = [o.outputs[0].token_ids for o in outputs]
     return result
 
 

@@ -153,6 +153,8 @@ def test_experts_split_over_devices_give_the_same_tokens(cases):
                   "collective-permute": 0, "all-to-all": 0}  # fmt: skip
     for tokens, counts in experts["collectives"].items():
         assert counts == dense_step, tokens
+    # The GPU's split layout: each shard's experts through the Pallas kernel (interpreted).
+    assert experts["pallas_tokens"] == [t[0][:3] for t in experts["tokens/1"][:2]]
 
 
 @pytest.mark.slow

@@ -116,6 +116,11 @@ class Platform:
         """The params in the layout this platform's kernels run fastest."""
         return params
 
+    def prepare_split_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
+        """Params split over a tensor-parallel group (global arrays) in this platform's
+        layout, where that moves no data (the CPU's packing is one device's: none)."""
+        return params
+
     def kv_budget_bytes(
         self,
         config: EngineConfig,

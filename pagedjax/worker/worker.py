@@ -216,7 +216,8 @@ class Worker:
         if self.tp is not None:
             # The split's layout, then each device receives only its slice of the weights.
             size = self.config.tensor_parallel_size
-            return place_params(layout_params(params, self.model_config, size), self.tp)
+            placed = place_params(layout_params(params, self.model_config, size), self.tp)
+            return self.platform.prepare_split_params(placed, jnp.dtype(self.config.dtype))
         params = self.platform.prepare_params(params, jnp.dtype(self.config.dtype))
         if self._placed:
             params = jax.device_put(params, self.devices[0])

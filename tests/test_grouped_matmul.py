@@ -63,10 +63,32 @@ def test_tiles_hold_each_assignment_once_in_a_tile_of_its_expert(
     assert (positions < used * tile).all()
     need = sum(-(-int((ids == e).sum()) // tile) for e in range(num_experts))
     assert used == need  # no tile wasted between experts
+    counts = np.asarray(tiles.tile_counts)
+    assert counts.sum() == ids.size and not counts[used:].any()
+    for row in positions.ravel():  # an assignment's row is among its tile's counted rows
+        assert row % tile < counts[row // tile]
     assert (np.diff(experts) >= 0).all()
     for e in range(num_experts):  # token order within an expert: the stable sort
         token_rows = positions[ids == e]
         assert (np.diff(token_rows) > 0).all()
+
+
+def test_assignments_to_other_shards_experts_sort_last_and_are_skipped():
+    """Expert parallelism: ids E (experts held elsewhere) form a group after every real one,
+    past `num_tiles`, with zero counts, so no kernel computes them; the real assignments
+    tile as they would alone."""
+    rng = np.random.default_rng(7)
+    ids = random_assignments(rng, 23, 2, 8, skew=False)
+    local = np.where(ids < 4, ids, 4).astype(np.int32)  # this shard holds experts 0-3
+    tile = tile_rows(local.size, 4)
+    tiles = expert_tiles(jnp.asarray(local), 4, tile, dropped=True)
+    used, counts = int(tiles.num_tiles), np.asarray(tiles.tile_counts)
+    positions, experts = np.asarray(tiles.positions), np.asarray(tiles.tile_experts)
+    mine = local < 4
+    assert (positions[mine] < used * tile).all() and (positions[~mine] >= used * tile).all()
+    assert (experts[positions[mine] // tile] == local[mine]).all()
+    assert counts[:used].sum() == mine.sum() and not counts[used:].any()
+    assert experts.shape[0] == num_tiles_bound(local.size, 5, tile)
 
 
 def _case(rng, num_tiles, tile, k, n, groups, dtype):

@@ -53,10 +53,10 @@ STAGES = ["env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "
 # (benchmarks/README.md), with room to spare; the host stage is not yet timed on a GPU.
 BUDGETS = {
     "gpu": dict(
-        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80, moe=60
+        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80, moe=90
     ),
     "cpu": dict(
-        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=120
+        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=240
     ),
 }
 SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
@@ -297,6 +297,48 @@ def engine_run(mode: str) -> dict:
         mismatches=mismatches,
         engine_s=round(seconds, 2),
         compilations=getattr(getattr(worker, "runner", None), "num_compilations", None),
+    )
+
+
+def moe_engine_run(mode: str) -> dict:
+    """A tiny random gpt-oss (tests/conftest.py's: attention sinks, YaRN, experts with biases
+    and the clamped SwiGLU, sliding layers) through the engine on the Pallas backend, its
+    experts on the platform's grouped matmul, against transformers' greedy tokens."""
+    import numpy as np
+    import torch
+
+    from tests.conftest import build_tiny_hf_model, build_tiny_tokenizer
+
+    model = build_tiny_hf_model("gpt_oss")
+    path = Path(tempfile.mkdtemp(prefix="gpu_check_gpt_oss_"))  # under the driver's scratch
+    model.save_pretrained(path, safe_serialization=True)
+    build_tiny_tokenizer(128).save_pretrained(path)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (5, 23, 40)]
+    max_tokens = 12 if mode == "gpu" else 4
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(prompt) :])
+
+    from pagedjax.llm import LLM
+    from pagedjax.sampling_params import SamplingParams
+
+    llm = LLM(str(path), attention_backend="pallas", max_model_len=128, num_kv_blocks=32,
+              max_num_batched_tokens=32)  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    worker = llm.llm_engine.engine_core.worker
+    experts = type(worker.params["layers"]["experts_gate_up"]).__name__
+    identical = got == want
+    return dict(
+        status="PASS" if identical and worker.attention.name == "pallas" else "FAIL",
+        token_identical=identical,
+        attention_backend=worker.attention.name,
+        experts=experts,
     )
 
 
@@ -699,18 +741,29 @@ class Check:
         return status, seconds, report
 
     def stage_moe(self, limit: float) -> dict:
-        """The experts' grouped matmul (issue 43; compiled in the kernel tests): a
-        Qwen3-MoE-shaped model's decode and prefill steps, the grouped path (the Pallas kernel
-        on a GPU) against every expert computed for every token (`benchmarks/moe.py`)."""
+        """Mixtures of experts (issue 43; the grouped kernel compiled in the kernel tests): a
+        tiny gpt-oss through the engine (Pallas attention with sinks, the Pallas experts on a
+        GPU) against transformers' greedy tokens, then a Qwen3-MoE-shaped model's decode and
+        prefill steps, grouped against every expert computed (`benchmarks/moe.py`)."""
+        log = self.scratch / "moe_engine.log"
+        env = dict(self.env, TMPDIR=str(self.scratch))
+        engine_status, _, engine_s = run_child(self.me("--moe-run"), limit / 2, log, env)
+        engine = child_result(log) or {}
+        engine_ok = engine_status == "PASS" and engine.get("status") == "PASS"
         args = ["benchmarks/moe.py"] + (["--smoke"] if self.mode == "cpu" else ["--repeats", "5"])
-        status, seconds, report = self.run_benchmark("moe", args, "moe", limit)
+        status, seconds, report = self.run_benchmark("moe", args, "moe", limit - engine_s)
+        engine_detail = f"gpt-oss engine ({engine.get('experts')} experts): " + (
+            "token-identical" if engine.get("token_identical") else f"FAIL {last_line(log)}"
+        )
+        if not engine_ok:
+            status = "FAIL" if status == "PASS" else status
         if not report:
-            return dict(status=status, detail=last_line(self.out / "moe.log"))
+            return dict(status=status, detail=f"{engine_detail}; {last_line(self.out / 'moe.log')}")
         detail = ", ".join(
             f"{row['step']}: {row['grouped_tok_s']:.0f} tok/s, {row['speedup']:.2f}x dense"
             for row in report["rows"]
         )
-        return dict(status=status, seconds=seconds, detail=detail)
+        return dict(status=status, seconds=engine_s + seconds, detail=f"{engine_detail}; {detail}")
 
     def stage_host(self, limit: float) -> dict:
         """The engine's host cost per decode step at 256 rows (issue 41): `host_overhead.py
@@ -837,13 +890,16 @@ def main() -> None:
     parser.add_argument("--smoke-case", choices=list(SMOKE_CASES), help=argparse.SUPPRESS)
     parser.add_argument("--engine-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--moe-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     mode = "cpu" if args.cpu else "gpu"
-    if args.probe or args.smoke_case or args.engine_run or args.memory_run:  # a child
-        if args.probe:
+    if args.probe or args.smoke_case or args.engine_run or args.memory_run or args.moe_run:
+        if args.probe:  # a child
             result = probe()
         elif args.memory_run:
             result = memory_run()
+        elif args.moe_run:
+            result = moe_engine_run(mode)
         elif args.smoke_case:
             result = smoke_case(args.smoke_case, mode)
         else:

@@ -30,7 +30,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # gguf `general.architecture` -> (HF architecture, HF model_type).
 ARCHITECTURES = {
-    # Mistral GGUFs also say "llama": llama.cpp runs them as llama, and so do we.
+    # Mistral GGUFs also say "llama": llama.cpp runs them as llama, and so do we; Mixtral's
+    # too, with experts (`{arch}.expert_count`): read as Mixtral.
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -393,6 +394,22 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
+# Mixtral's Hugging Face names for what `_LAYER_NAMES` calls a Qwen mixture's.
+_MIXTRAL_NAMES = {
+    ".mlp.gate.": ".block_sparse_moe.gate.",
+    ".mlp.experts.{e}.gate_proj.": ".block_sparse_moe.experts.{e}.w1.",
+    ".mlp.experts.{e}.up_proj.": ".block_sparse_moe.experts.{e}.w3.",
+    ".mlp.experts.{e}.down_proj.": ".block_sparse_moe.experts.{e}.w2.",
+}
+
+
+def _mixtral_name(name: str) -> str:
+    for qwen, mixtral in _MIXTRAL_NAMES.items():
+        if qwen in name:
+            return name.replace(qwen, mixtral)
+    return name
+
+
 def _config_float(value: Any) -> float:
     # GGUF stores float32; the shortest decimal that round-trips it is what config.json
     # held (9.999999747378752e-06 comes back as 1e-05); numpy's str() prints exactly that.
@@ -448,6 +465,13 @@ def _hf_config(meta: dict[str, Any], infos: list[_TensorInfo]) -> dict:
         config.update(_gemma3_config(config, int(get("attention.sliding_window"))))
     if arch in _NORMALIZE_TOP_K:
         config.update(_moe_config(meta, arch, names, config["num_hidden_layers"]))
+    if arch == "llama" and meta.get("llama.expert_count"):  # Mixtral: llama with experts
+        config.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=int(meta["llama.expert_count"]),
+            num_experts_per_tok=int(meta["llama.expert_used_count"]),
+        )
     prefix = f"{arch}.rope.scaling."
     scaling = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     if scaling.get("type", "none") != "none":
@@ -603,8 +627,11 @@ def read_gguf(
     arch = meta.get("general.architecture")
     shifted = arch in _NORMS_SHIFTED
     jobs = []
+    mixtral = config["model_type"] == "mixtral"
     for t in infos:
         name = _hf_name(t.name, arch)
+        if mixtral and name is not None:
+            name = _mixtral_name(name)
         if name is None:
             raise ModelLoadError(
                 f"{path}: tensor {t.name!r} has no counterpart in {config['architectures'][0]}"
@@ -614,7 +641,7 @@ def read_gguf(
 
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     # Only llama.cpp's llama converter permutes Q/K; qwen2/qwen3 are stored as in HF.
-    permute = config["model_type"] == "llama"
+    permute = arch == "llama"
     data = np.frombuffer(buf, np.uint8)
 
     def load(job: tuple[str, _TensorInfo]) -> list[tuple[str, np.ndarray | BlockCodes]]:

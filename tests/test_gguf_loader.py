@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import subprocess
 import sys
@@ -869,6 +870,15 @@ def write_moe_gguf(path: Path, hf_dir: Path, arch: str) -> None:
     hf = json.loads((hf_dir / "config.json").read_text())
     hf.setdefault("num_experts", hf.get("num_local_experts"))  # v5's name for Qwen3-MoE's
     state = load_file(str(hf_dir / "model.safetensors"))
+    mixtral = arch == "llama"  # llama.cpp writes Mixtral as llama with experts
+    if mixtral:  # its names for the router and experts, and Q/K rows permuted as llama's
+        renames = {"block_sparse_moe.gate": "mlp.gate", "block_sparse_moe.experts": "mlp.experts",
+                   ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}  # fmt: skip
+        for old, new in renames.items():
+            state = {k.replace(old, new): v for k, v in state.items()}
+        for k in [k for k in state if ".q_proj." in k or ".k_proj." in k]:
+            heads = hf["num_attention_heads" if ".q_proj." in k else "num_key_value_heads"]
+            state[k] = permute_like_llama_cpp(state[k], heads)
     writer = gguf.GGUFWriter(str(path), arch)
     fields = {
         "block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
@@ -877,8 +887,9 @@ def write_moe_gguf(path: Path, hf_dir: Path, arch: str) -> None:
         "attention.head_count_kv": hf["num_key_value_heads"],
         "attention.key_length": hf["head_dim"], "vocab_size": hf["vocab_size"],
         "expert_count": hf["num_experts"], "expert_used_count": hf["num_experts_per_tok"],
-        "expert_feed_forward_length": hf["moe_intermediate_size"],
     }  # fmt: skip
+    if not mixtral:
+        fields["expert_feed_forward_length"] = hf["moe_intermediate_size"]
     if hf.get("shared_expert_intermediate_size"):
         fields["expert_shared_feed_forward_length"] = hf["shared_expert_intermediate_size"]
     for key, value in fields.items():
@@ -886,7 +897,8 @@ def write_moe_gguf(path: Path, hf_dir: Path, arch: str) -> None:
     theta = (hf.get("rope_parameters") or {}).get("rope_theta") or hf["rope_theta"]
     writer.add_float32(f"{arch}.rope.freq_base", theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", hf["rms_norm_eps"])
-    writer.add_bool(f"{arch}.expert_weights_norm", bool(hf["norm_topk_prob"]))
+    if not mixtral:
+        writer.add_bool(f"{arch}.expert_weights_norm", bool(hf["norm_topk_prob"]))
     names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
@@ -919,18 +931,26 @@ def write_moe_gguf(path: Path, hf_dir: Path, arch: str) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("name,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
-def test_qwen_mixtures_of_experts_read_from_gguf_give_transformers_logits(
+@pytest.mark.parametrize(
+    "name,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")]
+)
+def test_mixtures_of_experts_read_from_gguf_give_transformers_logits(
     tmp_path: Path, tiny_model_dir, name: str, arch: str
 ) -> None:
-    """Qwen3-MoE (a dense layer between expert ones, renormalized top-k) and Qwen2-MoE (a
-    shared expert, q/k/v biases) as GGUF files: the config the file implies, and the logits
-    of the Hugging Face model they were written from."""
+    """Qwen3-MoE (a dense layer between expert ones, renormalized top-k), Qwen2-MoE (a
+    shared expert, q/k/v biases) and Mixtral (llama.cpp's llama with experts, Q/K permuted)
+    as GGUF files: the config the file implies, and the logits of the Hugging Face model
+    they were written from (Mixtral's without its sliding window: llama's GGUF has none)."""
     import torch
 
     from models.loader import load_model
 
     hf_dir, hf_model = tiny_model_dir(name)
+    if name == "mixtral":  # a copy: the session's model keeps its window
+        hf_model = copy.deepcopy(hf_model)
+        hf_model.config.sliding_window = None
+        hf_dir = tmp_path / "hf"
+        hf_model.save_pretrained(hf_dir, safe_serialization=True)
     write_moe_gguf(tmp_path / "m.gguf", hf_dir, arch)
     config, params = load_model(tmp_path / "m.gguf")
     want_config, _ = load_model(hf_dir)

@@ -1,4 +1,4 @@
-"""One prepared GPU check, safe to run blind: six stages, each in its own subprocesses with its
+"""One prepared GPU check, safe to run blind: eight stages, each in its own subprocesses with its
 own time budget, so a hang or a CUDA fault is killed, reported, and the next stage still runs.
 
     python benchmarks/gpu_check.py --out DIR [--cpu] [--only smoke,bench]
@@ -8,8 +8,8 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
 2. smoke         each kernel case compiled (interpret=False) in its own process against the
                  float32 oracle (tests/attention_cases.py tolerances), run twice (a moving result
                  is a race): PASS / FAIL / TIMEOUT / CRASH(signal), max error   -> smoke.json
-3. kernel_tests  tests/test_pallas_kernels.py compiled, per-test and overall timeouts
-                                                              -> kernel_tests.log, kernel_tests.xml
+3. kernel_tests  tests/test_pallas_kernels.py and tests/test_grouped_matmul.py compiled,
+                 per-test and overall timeouts             -> kernel_tests.log, kernel_tests.xml
 4. bench         benchmarks/paged_kernels.py --quick --large-pool: our kernels vs JAX's bundled
                  Pallas paged attention, KV GB/s against a measured copy bandwidth
                                                                      -> bench.log, bench.json
@@ -20,7 +20,11 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
 6. host          benchmarks/host_overhead.py --generate --async-only: the engine's ms per
                  token-step and its host share at 256 rows, 1 and 8 decode steps per dispatch
                                                                        -> host.log, host.json
-The PASS/FAIL and GB/s table is printed last and written to summary.txt (10 files in all).
+7. moe           a tiny gpt-oss through the engine (Pallas attention with sinks, the Pallas
+                 experts) against transformers' greedy tokens; benchmarks/moe.py: grouped
+                 experts against every expert computed                  -> moe.log, moe.json
+(memory, between env and smoke: gpu_memory_utilization as the allocator's limit.)
+The PASS/FAIL and GB/s table is printed last and written to summary.txt (14 files in all).
 `--cpu`: the same script on the CPU (interpret mode, tiny sizes) so it cannot rot (CI runs it).
 """
 

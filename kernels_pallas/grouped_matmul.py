@@ -58,6 +58,11 @@ class ExpertTiles:
     def tile(self) -> int:
         return self.rows.shape[0] // self.tile_experts.shape[0]
 
+    def groups(self, layer: jax.Array, num_experts: int) -> jax.Array:
+        """[NT] int32: each tile's expert of expert layer `layer`, as an index into every
+        layer's experts flattened ([M x E, K, N]), so no layer's experts are sliced out."""
+        return (layer * num_experts + self.tile_experts).astype(jnp.int32)
+
 
 def tile_rows(num_assignments: int, num_experts: int, minimum: int = 16, maximum: int = 128) -> int:
     """The rows per tile for T x k assignments over E experts (static: from the bucket's shape):
@@ -247,12 +252,11 @@ class PallasExperts:
         return self.weight.shape
 
     def grouped_matmul(self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles) -> jax.Array:
-        num_experts = self.weight.shape[1]
         groups = self.weight.reshape(-1, *self.weight.shape[2:])  # a bitcast: nothing copied
         return grouped_matmul(
             x,
             groups,
-            layer * num_experts + tiles.tile_experts,
+            tiles.groups(layer, self.weight.shape[1]),
             tiles.num_tiles,
             config=self.config,
             interpret=self.interpret,

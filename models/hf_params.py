@@ -23,6 +23,7 @@ from models.loader import (
     interleave,
     layer_norms,
     layer_vectors,
+    matmul_layers,
     moe_matmuls,
     moe_shapes,
     stacked_experts,
@@ -95,9 +96,10 @@ def params_from_hf_state(
             raise ModelLoadError(f"the HF state dict has no {name!r}: it does not match the model")
         return jnp.asarray(state[name], dtype)
 
-    def stacked(fn, kind: bool | None = None) -> jax.Array:
-        """Over all layers, or over the expert (kind True) or the dense (False) layers."""
-        return jnp.stack([fn(f"model.layers.{i}.") for i in _layers(config, kind)])
+    def stacked(fn, indices: tuple[int, ...] = tuple(range(config.num_layers))) -> jax.Array:
+        return jnp.stack([fn(f"model.layers.{i}.") for i in indices])
+
+    expert_layers = config.mlp_layers(experts=True)
 
     def fused(parts: tuple[str, ...]):
         return lambda p: jnp.concatenate([get(f"{p}{part}.weight").T for part in parts], axis=1)
@@ -111,30 +113,32 @@ def params_from_hf_state(
     for name, (hf, _) in layer_vectors(config).items():
         layers[name] = stacked(lambda p, hf=hf: get(f"{p}{hf}"))
     for name, parts in FUSED_MATMULS.items():
-        kind = None if name in ("wqkv", "wo") else False
-        if _layers(config, kind):
-            layers[name] = stacked(fused(parts), kind)
+        if matmul_layers(config, name):
+            layers[name] = stacked(fused(parts), matmul_layers(config, name))
     if config.moe is not None:
         names = moe_matmuls(config)
-        first = f"model.layers.{config.mlp_layers(experts=True)[0]}."
+        first = f"model.layers.{expert_layers[0]}."
         in_memory = f"{first}{IN_MEMORY_EXPERTS['experts_gate_up']}" in state
         if in_memory and not stacked_experts(config):  # transformers v5's (not gpt-oss's)
             names.update({k: (v,) for k, v in IN_MEMORY_EXPERTS.items()}, router=("mlp.gate",))
         for name, parts in names.items():
             if parts[0] in IN_MEMORY_EXPERTS.values():  # [E, out, in] -> [E, in, out]
-                layers[name] = stacked(lambda p, n=parts[0]: get(f"{p}{n}").swapaxes(1, 2), True)
+                layers[name] = stacked(
+                    lambda p, n=parts[0]: get(f"{p}{n}").swapaxes(1, 2), expert_layers
+                )
                 continue
             each = [fused(tuple(p.format(e=e) for p in parts)) for e in _experts(parts, config)]
             if "{e}" in parts[0]:
-                layers[name] = stacked(lambda p, each=each: jnp.stack([f(p) for f in each]), True)
+                layers[name] = stacked(lambda p, each=each: jnp.stack([f(p) for f in each]),
+                                       expert_layers)  # fmt: skip
             else:
-                layers[name] = stacked(each[0], True)
+                layers[name] = stacked(each[0], expert_layers)
         for name, (hf, interleaved) in stacked_experts(config).items():
 
             def tensor(p: str, hf=hf, interleaved=interleaved) -> jax.Array:
                 return deinterleave(get(f"{p}{hf}"), jnp) if interleaved else get(f"{p}{hf}")
 
-            layers[name] = stacked(tensor, True)
+            layers[name] = stacked(tensor, expert_layers)
     if config.attention_bias:
         qkv = FUSED_MATMULS["wqkv"]
         layers["bqkv"] = stacked(lambda p: jnp.concatenate([get(f"{p}{q}.bias") for q in qkv]))
@@ -170,12 +174,11 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
         for name, (hf_name, _) in layer_vectors(config).items():
             state[f"{p}{hf_name}"] = layers[name][i]
         for name, parts in FUSED_MATMULS.items():
-            kind = None if name in ("wqkv", "wo") else False
-            if i in _layers(config, kind):
-                w = layers[name][_layers(config, kind).index(i)]
+            if i in matmul_layers(config, name):
+                w = layers[name][matmul_layers(config, name).index(i)]
                 _unfuse(state, p, parts, w, widths.get(name, ()))
-        if i in _layers(config, True):
-            j = _layers(config, True).index(i)
+        if i in config.mlp_layers(experts=True):
+            j = config.mlp_layers(experts=True).index(i)
             for name, parts in moe_matmuls(config).items():
                 for e in _experts(parts, config):
                     w = layers[name][j] if "{e}" not in parts[0] else layers[name][j, e]
@@ -190,11 +193,6 @@ def hf_state_from_params(config: ModelConfig, params: Params) -> dict[str, jax.A
             ):
                 state[f"{p}{part}.bias"] = layers["bqkv"][i, start:stop]
     return state
-
-
-def _layers(config: ModelConfig, experts: bool | None) -> tuple[int, ...]:
-    """All layers (None), or those whose MLP is experts (True) or dense (False)."""
-    return tuple(range(config.num_layers)) if experts is None else config.mlp_layers(experts)
 
 
 def _experts(parts: tuple[str, ...], config: ModelConfig) -> range:

@@ -70,6 +70,14 @@ FUSED_MATMULS = {
 }
 
 
+def matmul_layers(config: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers a `FUSED_MATMULS` weight is stacked over: every layer's attention, the MLP
+    of the dense layers only (a mixture of experts stacks its expert layers apart)."""
+    if name in ("wqkv", "wo"):
+        return tuple(range(config.num_layers))
+    return config.mlp_layers(experts=False)
+
+
 def moe_matmuls(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """A mixture of experts' weights (`models/moe.py`) -> the Hugging Face projections fused
     into each, within a layer; "{e}" stands for an expert's number."""
@@ -228,15 +236,12 @@ def _stack_params(
     layers = {name: stacked((width,), norm(hf)) for name, (hf, width) in norms.items()}
     for name, (hf, width) in layer_vectors(config).items():
         layers[name] = stacked((width,), lambda p, hf=hf: get(f"{p}{hf}"))
-    dense_layers = config.mlp_layers(experts=False)
     for name, parts in FUSED_MATMULS.items():
-        shape = matmul_shapes[name]
+        shape, indices = matmul_shapes[name], matmul_layers(config, name)
         if name in blocks:
             layers[name] = blocks[name]
-        elif name in ("wqkv", "wo") or len(dense_layers) == L:
-            layers[name] = stacked(shape, fused(parts, shape[1]))
-        elif dense_layers:  # a mixture of experts' dense layers only
-            layers[name] = stacked(shape, fused(parts, shape[1]), dense_layers)
+        elif indices:  # a mixture of experts may have no dense layer
+            layers[name] = stacked(shape, fused(parts, shape[1]), indices)
     if config.moe is not None:
         layers.update(_stack_experts(config, get, stacked))
     if config.attention_bias:

@@ -36,13 +36,13 @@ from models.weights import GroupedLinearWeight, layer_matmul
 
 Weights = dict  # name -> a weight stacked over the expert layers (see the module docstring)
 
+# The experts' weights, multiplied by `expert_matmul` (a platform may give them a type of its
+# own); the router's and the shared expert's, stacked like the dense MLP's (`layer_matmul`).
+EXPERT_MATMULS = ("experts_gate_up", "experts_down")
+ROUTER_MATMULS = ("router", "shared_gate_up", "shared_down", "shared_gate")
 MOE_WEIGHTS = (
-    "router",
-    "experts_gate_up",
-    "experts_down",
-    "shared_gate_up",
-    "shared_down",
-    "shared_gate",
+    *EXPERT_MATMULS,
+    *ROUTER_MATMULS,
     "router_bias",
     "experts_gate_up_bias",
     "experts_down_bias",
@@ -89,9 +89,8 @@ def expert_matmul(
     """Each tile's rows times its expert's weight, the platform's way."""
     if isinstance(weight, GroupedLinearWeight):
         return weight.grouped_matmul(x, layer, tiles)
-    num_experts = weight.shape[1]
     groups = weight.reshape(-1, *weight.shape[2:])  # the layers' experts: [M x E, K, N]
-    return grouped_matmul_xla(x, groups, layer * num_experts + tiles.tile_experts)
+    return grouped_matmul_xla(x, groups, tiles.groups(layer, weight.shape[1]))
 
 
 def swiglu(gate_up: jax.Array, activation) -> jax.Array:
@@ -134,18 +133,18 @@ def moe_mlp(
     tile = tile_rows(num_tokens * moe.top_k, here)
     tiles = expert_tiles(experts, here, tile, dropped=axis_name is not None)
     rows = h[tiles.rows]  # [P, H]
-    row_experts = jnp.repeat(tiles.tile_experts, tile)  # [P]
 
     def project(x: jax.Array, name: str) -> jax.Array:
         out = expert_matmul(x, weights[name], layer, tiles)
-        return out + weights[f"{name}_bias"][layer][row_experts] if moe.expert_bias else out
+        if not moe.expert_bias:
+            return out
+        return out + weights[f"{name}_bias"][layer][jnp.repeat(tiles.tile_experts, tile)]
 
     hidden = expert_glu(moe, project(rows, "experts_gate_up"), activation)
     out = project(hidden, "experts_down")  # [P, H]
     picked = out[tiles.positions].astype(jnp.float32)  # [T, k, H]
-    # A dropped assignment's row is zeros (the kernel) or unread products (XLA): select, so
-    # not even a non-finite one could leak through its zero weight.
-    picked = jnp.where(routing[:, :, None] > 0, picked, 0.0)
+    if axis_name is not None:  # a dropped row holds zeros or XLA's unread products: select,
+        picked = jnp.where(routing[:, :, None] > 0, picked, 0.0)  # so no non-finite leaks
     total = _weighted_sum(picked, routing).astype(h.dtype)
     if moe.shared_intermediate_size:
         total = total + _shared_expert(weights, h, layer, activation)

@@ -24,14 +24,13 @@ from kernels_pallas.kv_cache import KVCache, write_kv
 from kernels_pallas.metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.llama import MATMUL_WEIGHTS, Params
+from models.moe import EXPERT_MATMULS, ROUTER_MATMULS
 from models.training import DenseKernels, dense_causal_attention
 from pagedjax.cpu_native.attention import paged_attention_cpu
 from pagedjax.cpu_native.matmul import (
-    EXPERT_WEIGHTS,
-    ROUTER_WEIGHTS,
-    PackedExperts,
     PackedWeight,
     expert_panels,
+    grouped_packed_matmul,
     panels,
 )
 
@@ -87,9 +86,8 @@ def kernel_grouped_matmul(
 ) -> jax.Array:  # [P, K], [G, K, N], [NT], [NT] -> [P, N]
     """Each tile of x's rows times its group's weight by the C++ grouped kernel: the engine's
     products of the same float32 values (`matmul.PackedExperts`)."""
-    packed = PackedExperts(expert_panels(w.astype(jnp.float32), jnp), 1, w.shape[2])
-    tiles = ExpertTiles(None, groups, counts, None, None)
-    return packed.grouped_matmul(x, jnp.int32(0), tiles).astype(x.dtype)
+    grouped = expert_panels(w.astype(jnp.float32), jnp)
+    return grouped_packed_matmul(x, grouped, groups, counts, w.shape[2])
 
 
 def _grouped_fwd(x, w, groups, counts):
@@ -119,19 +117,19 @@ class KernelExperts:
         return self.weight.shape
 
     def grouped_matmul(self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles) -> jax.Array:
-        groups = layer * self.weight.shape[1] + tiles.tile_experts
         weight = self.weight.reshape(-1, *self.weight.shape[2:])
-        return kernel_grouped_matmul(x, weight, groups.astype(jnp.int32), tiles.tile_counts)
+        groups = tiles.groups(layer, self.weight.shape[1])
+        return kernel_grouped_matmul(x, weight, groups, tiles.tile_counts)
 
 
 def prepare(params: Params) -> Params:
     """Plain float32 params with each matmul weight multiplied by the kernel, in the engine's
     structure (`matmul.pack_params`); weights a platform already packed stay as they are."""
     layers = dict(params["layers"])
-    for name in MATMUL_WEIGHTS + ROUTER_WEIGHTS:
+    for name in MATMUL_WEIGHTS + ROUTER_MATMULS:
         if isinstance(layers.get(name), jax.Array):
             layers[name] = KernelLayers(layers[name])
-    for name in EXPERT_WEIGHTS:
+    for name in EXPERT_MATMULS:
         if isinstance(layers.get(name), jax.Array):
             layers[name] = KernelExperts(layers[name])
     head = params.get("lm_head")

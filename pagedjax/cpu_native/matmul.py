@@ -22,16 +22,13 @@ import numpy as np
 
 from kernels_pallas.grouped_matmul import ExpertTiles
 from models.llama import MATMUL_WEIGHTS, Params
+from models.moe import EXPERT_MATMULS, ROUTER_MATMULS
 from models.weights import QuantizedLinear, widen_blocks
 from pagedjax.cpu_native import build
 
 TARGET = "pagedjax_packed_matmul"
 QUANTIZED_TARGET = "pagedjax_quantized_matmul"
 GROUPED_TARGET = "pagedjax_grouped_packed_matmul"
-EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")  # a mixture's (`models/moe.py`)
-# A mixture's other products, stacked over its expert layers like the dense weights: packed,
-# so every row's product is the kernel's sum in order (batch-invariant) as the experts' are.
-ROUTER_WEIGHTS = ("router", "shared_gate_up", "shared_down", "shared_gate")
 PANEL = 24  # output columns per panel (the kernel's register tile is 4 rows x 24 columns)
 
 
@@ -117,17 +114,29 @@ class PackedExperts:
         groups, _, k, _ = self.panels.shape
         return (groups // self.experts, self.experts, k, self.columns)
 
-    def grouped_matmul(
-        self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles
-    ) -> jax.Array:  # [P, K] -> [P, N]; a tile's rows past its count: zeros
-        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
-        call = build.ffi_call(GROUPED_TARGET, out_shape)
-        groups = (layer * self.experts + tiles.tile_experts).astype(jnp.int32)
-        counts = tiles.tile_counts.astype(jnp.int32)
-        out = call(
-            x.astype(jnp.float32), self.panels, groups, counts, columns=np.int64(self.columns)
-        )
-        return out.astype(x.dtype)
+    def grouped_matmul(self, x: jax.Array, layer: jax.Array, tiles: ExpertTiles) -> jax.Array:
+        groups = tiles.groups(layer, self.experts)
+        return grouped_packed_matmul(x, self.panels, groups, tiles.tile_counts, self.columns)
+
+
+def grouped_packed_matmul(
+    x: jax.Array,  # [P, K]
+    panels: jax.Array,  # [G, Pn, K, 24]
+    groups: jax.Array,  # [NT] int32: each tile's group
+    counts: jax.Array,  # [NT] int32: each tile's rows in use
+    columns: int,
+) -> jax.Array:  # [P, N] in x's dtype; a tile's rows past its count: zeros
+    """Each tile of x's rows times its group's panels, by the C++ grouped kernel."""
+    out_shape = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
+    call = build.ffi_call(GROUPED_TARGET, out_shape)
+    out = call(
+        x.astype(jnp.float32),
+        panels,
+        groups.astype(jnp.int32),
+        counts.astype(jnp.int32),
+        columns=np.int64(columns),
+    )
+    return out.astype(x.dtype)
 
 
 def expert_panels(w, xp=np):
@@ -207,10 +216,12 @@ def pack_params(params: Params) -> Params:
     as `PackedLayers`, the LM head as one packed weight. With tied embeddings the packed head
     is the embeddings' transpose and replaces them (its `take_columns` serves the lookup)."""
     layers = dict(params["layers"])
-    for name in MATMUL_WEIGHTS + ROUTER_WEIGHTS:
+    # A mixture's router and shared expert too, so every row's product is the kernel's sum
+    # in order (batch-invariant), as its experts' are.
+    for name in MATMUL_WEIGHTS + ROUTER_MATMULS:
         if name in layers:  # a mixture of experts may have no dense MLP
             layers[name] = _pack_stacked(layers[name])
-    for name in EXPERT_WEIGHTS:
+    for name in EXPERT_MATMULS:
         if name in layers:
             layers[name] = pack_experts(layers[name])
     if "lm_head" in params:

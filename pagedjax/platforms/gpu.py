@@ -70,9 +70,10 @@ class GpuPlatform(Platform):
         """A mixture's expert weights multiply by the Pallas grouped matmul where their widths
         tile in blocks of 16 (else XLA's gathered tiles, as on the CPU)."""
         from kernels_pallas.grouped_matmul import PallasExperts
+        from models.moe import EXPERT_MATMULS
 
         layers = dict(params["layers"])
-        for name in ("experts_gate_up", "experts_down"):
+        for name in EXPERT_MATMULS:
             weight = layers.get(name)
             if isinstance(weight, jax.Array) and all(d % 16 == 0 for d in weight.shape[2:]):
                 layers[name] = PallasExperts(weight)

@@ -64,15 +64,21 @@ class KVCacheLayout(Protocol):
     dtype: Any  # a dtype or its name
 
 
-def allocate_kv_cache(spec: KVCacheLayout, num_blocks: int, block_size: int) -> KVCache:
-    """A zeroed pool of `num_blocks` blocks of `block_size` tokens (scales of 1 for fp8)."""
+def allocate_kv_cache(
+    spec: KVCacheLayout, num_blocks: int, block_size: int, num_scale_layers: int | None = None
+) -> KVCache:
+    """A zeroed pool of `num_blocks` blocks of `block_size` tokens (scales of 1 for fp8).
+
+    num_scale_layers: the model's layers, where the pool's `spec.num_layers` are the slabs
+    that KV cache groups share (`kv_groups.py`); fp8 scales stay per layer."""
     dtype = jnp.dtype(spec.dtype)
     shape = (spec.num_layers, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
     k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if not is_quantized(dtype):
         return KVCache(k, v)
     # Two arrays, not one twice: the pool is donated, and a buffer cannot be donated twice.
-    scales = [jnp.ones((spec.num_layers, spec.num_kv_heads), jnp.float32) for _ in range(2)]
+    scale_shape = (num_scale_layers or spec.num_layers, spec.num_kv_heads)
+    scales = [jnp.ones(scale_shape, jnp.float32) for _ in range(2)]
     return KVCache(k, v, *scales)
 
 

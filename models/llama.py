@@ -39,6 +39,7 @@ model code calls their methods and never asks which platform it runs on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.kv_cache import KVCache, write_kv
+from kernels_pallas.kv_groups import kv_cache_groups
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
@@ -290,24 +292,54 @@ def forward(
     # a backend may write them its own way (the CPU's C++ kernels write 16- and 8-bit pools).
     backend = getattr(attention_fn, "func", attention_fn)  # through a partial (a step's flags)
     write = getattr(backend, "write_kv", write_kv)
+    # KV cache groups (slot_mapping [G, T], block_tables [G, S, B]): each layer reads its
+    # group's table and lives in its slab of the pool (`kernels_pallas/kv_groups.py`).
+    grouped = metadata.block_tables.ndim == 3
+    if grouped:
+        groups = kv_cache_groups(config.sliding_windows, config.num_layers)
+        layer_groups = jnp.asarray(groups.layer_groups, jnp.int32)
+        layer_slabs = jnp.asarray(groups.layer_slabs, jnp.int32)
 
     def attend(q, k, v, layer, sliding_window, sinks, cache):
-        cache = write(cache, layer, k, v, metadata.slot_mapping)
+        layer_metadata, slab, pool = metadata, layer, cache
+        if grouped:
+            group, slab = layer_groups[layer], layer_slabs[layer]
+            layer_metadata = dataclasses.replace(
+                metadata,
+                slot_mapping=metadata.slot_mapping[group],
+                block_tables=metadata.block_tables[group],
+            )
+            pool = _slab_scales(cache, layer, groups.num_slabs)
+        pool = write(pool, slab, k, v, layer_metadata.slot_mapping)
         extra = {} if sinks is None else {"sinks": sinks}  # only gpt-oss's backends take it
         out = attention_fn(
             q,
-            cache,
-            layer,
-            metadata,
+            pool,
+            slab,
+            layer_metadata,
             scale=config.attention_scale,
             sliding_window=sliding_window if any(config.sliding_windows) else None,
             soft_cap=config.attn_logit_softcap,
             **extra,
         )
-        return out, cache
+        if grouped and cache.k_scale is not None:  # the layer's view of the scales: undone
+            pool = dataclasses.replace(pool, k_scale=cache.k_scale, v_scale=cache.v_scale)
+        return out, pool
 
     x = embed_tokens(params, token_ids, axis_name)
     return decoder_layers(params, config, x, positions, attend, kv_cache, axis_name)
+
+
+def _slab_scales(cache: KVCache, layer: jax.Array, num_slabs: int) -> KVCache:
+    """The pool as a layer's kernels see it in its slab: an fp8 pool's scales, which are per
+    layer, become that layer's at every slab index."""
+    if cache.k_scale is None:
+        return cache
+    k_scale, v_scale = (
+        jnp.broadcast_to(scale[layer], (num_slabs, scale.shape[1]))
+        for scale in (cache.k_scale, cache.v_scale)
+    )
+    return dataclasses.replace(cache, k_scale=k_scale, v_scale=v_scale)
 
 
 def compute_logits(

@@ -41,6 +41,11 @@ class EngineConfig:
     # room, "recompute" never.
     swap_space: float = 4.0
     preemption_mode: str = "auto"
+    # A model with sliding-window layers gives back the blocks its windows passed (KV cache
+    # groups over one pool, `kernels_pallas/kv_groups.py`, vLLM's hybrid allocator); it then
+    # has no host tier and preempts by recompute. True (vLLM's flag), preemption_mode="swap"
+    # or a draft model keep one table for every layer.
+    disable_hybrid_kv_cache_manager: bool = False
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
     # "auto": the platform's choice (Pallas kernels on a GPU; on the CPU the C++ kernel, or
     # XLA's loops where it does not apply); "reference": the per-token oracle; "pallas" on

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from models.llama import Params
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
@@ -30,13 +31,25 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, worker: Worker):
         self.config, self.worker = config, worker
-        self.kv_cache_manager = KVCacheManager(
-            worker.num_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            kv_spec=worker.kv_spec,
-            num_host_blocks=worker.num_host_blocks,
-        )
+        windows = worker.kv_groups.windows
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if len(windows) > 1:  # layers that attend differently: a table per group
+            self.kv_cache_manager = HybridKVCacheManager(
+                worker.num_blocks,
+                config.block_size,
+                windows,
+                enable_caching=config.enable_prefix_caching,
+                kv_spec=worker.kv_spec,
+            )
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                worker.num_blocks,
+                config.block_size,
+                enable_caching=config.enable_prefix_caching,
+                kv_spec=worker.kv_spec,
+                num_host_blocks=worker.num_host_blocks,
+                sliding_window=windows[0],
+            )
         prefer_swap = None  # without a host tier every victim recomputes
         if worker.num_host_blocks:
             model, platform = worker.model_config, worker.platform

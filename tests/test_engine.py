@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels_pallas.kv_groups import kv_cache_groups
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
@@ -85,8 +86,11 @@ def test_family_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, n
 
     # One tight engine: prompts chunked by 8 tokens, a pool that forces preemptions, the
     # shared prefix's blocks served from the cache.
-    engine = make_engine(tiny, name, max_num_batched_tokens=8, num_kv_blocks=14, block_size=8,
-                         max_model_len=64)  # fmt: skip
+    # The same KV bytes for every family: 14 whole-model blocks, in a hybrid model's slabs.
+    groups = kv_cache_groups(tiny(name)[2].sliding_windows, tiny(name)[2].num_layers)
+    num_blocks = 14 * tiny(name)[2].num_layers // groups.num_slabs
+    engine = make_engine(tiny, name, max_num_batched_tokens=8, num_kv_blocks=num_blocks,
+                         block_size=8, max_model_len=64)  # fmt: skip
     for out, want in zip(run(engine, prompts, params), expected, strict=True):
         assert [c.token_ids for c in out.outputs] == [want, want]
     assert engine.engine_core.scheduler.num_preemptions > 0

@@ -182,8 +182,11 @@ class BlockPool:
         return new_blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Add a holder to each block; a free (cached) block leaves the free queue."""
+        """Add a holder to each block; a free (cached) block leaves the free queue. The null
+        block (a sliding window's skipped entries) is nobody's: it is passed over."""
         for block in blocks:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
                 if block.block_hash is not None:
@@ -194,13 +197,16 @@ class BlockPool:
         """Drop a holder from each block; blocks reaching 0 join the free queue in order.
 
         Cached blocks go to the back (evicted last, oldest first). Blocks without cached
-        content go to the front: reusing them first keeps cached content alive longer.
+        content go to the front: reusing them first keeps cached content alive longer. The
+        null block is passed over.
         """
         queue = self.free_block_queue
         head, tail = queue._head, queue._tail
         num_freed = num_freed_cached = 0
         try:
             for block in ordered_blocks:
+                if block.block_id == NULL_BLOCK_ID:
+                    continue
                 ref_cnt = block.ref_cnt - 1
                 block.ref_cnt = ref_cnt
                 if ref_cnt == 0:

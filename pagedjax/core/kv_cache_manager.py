@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedjax.core.block_pool import BlockPool, KVCacheBlock
+from pagedjax.core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
 from pagedjax.core.errors import (
     DuplicateRequestError,
     InvalidAllocationError,
@@ -81,6 +81,8 @@ class _RequestBlocks:
     # Largest scheduled end that needs nothing allocated, cached or copied (the O(1) decode
     # path); -1 forces the full check, e.g. after a fork may have shared the written block.
     fast_path_end: int = -1
+    # Leading entries given back to the pool (a sliding window passed them): the null block.
+    num_skipped: int = 0
 
 
 @dataclass(slots=True)
@@ -91,6 +93,11 @@ class _SwappedBlocks:
     host_ids: list[int]  # holding its first num_tokens tokens' KV, in table order
     block_hashes: list[BlockHash]
     num_tokens: int
+
+
+def _num_free_hits(hits: Sequence[KVCacheBlock]) -> int:
+    """Hits sitting in the free queue: touching them takes them out of it."""
+    return sum(1 for block in hits if block.ref_cnt == 0 and not block.is_null) if hits else 0
 
 
 def _is_shared(block: KVCacheBlock) -> bool:
@@ -111,14 +118,27 @@ class KVCacheManager:
         enable_caching: bool = True,
         kv_spec: KVCacheSpec | None = None,
         num_host_blocks: int = 0,
+        sliding_window: int = 0,
+        block_pool: BlockPool | None = None,
+        hash_salt: bytes = b"",
     ) -> None:
-        """num_host_blocks: the host tier's blocks (0: no swapping)."""
+        """num_host_blocks: the host tier's blocks (0: no swapping); sliding_window: the
+        layers' window (0: full attention), whose passed blocks are given back (no host tier
+        then); block_pool and hash_salt: a KV cache group's share of another manager's pool,
+        its keys salted apart from the other groups' (`HybridKVCacheManager`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window < 0 or (sliding_window and num_host_blocks):
+            raise ValueError(
+                f"sliding_window must be >= 0 (got {sliding_window}), and a manager that frees "
+                "the blocks a window passed has no host tier (num_host_blocks=0)"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_spec = kv_spec
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.sliding_window = sliding_window
+        self.hash_salt = hash_salt
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching=enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[Hashable, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -155,15 +175,41 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         extend_block_hashes(state.block_hashes, token_ids, self.block_size, state.extra_keys)
         # Cap so that at least the last token is computed: its logits are needed.
-        max_hit_blocks = (len(token_ids) - 1) // self.block_size
-        cached_blocks = self.block_pool.cached_blocks
-        hits = []
-        for block_hash in state.block_hashes[:max_hit_blocks]:
-            block = cached_blocks.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.cache_hit(request, (len(token_ids) - 1) // self.block_size)
         return hits, len(hits) * self.block_size
+
+    def cache_hit(self, request: KVCacheRequest, max_hit_blocks: int) -> list[KVCacheBlock]:
+        """The longest prefix hit of at most `max_hit_blocks` blocks (after
+        `get_computed_blocks` registered the request). Full attention needs every block of
+        the prefix cached; a sliding window only those its first new query sees, and the
+        blocks before them are the null block."""
+        state = self._get_state(request)
+        cached_blocks = self.block_pool.cached_blocks
+        block_hashes = state.block_hashes[:max_hit_blocks]
+        if not self.sliding_window:
+            hits = []
+            for block_hash in block_hashes:
+                block = cached_blocks.get(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        # The longest end whose window's blocks are all cached, searched from the right.
+        end, index = len(block_hashes), len(block_hashes) - 1
+        while end > 0:
+            first = self._num_skipped_blocks(end * self.block_size)
+            while index >= first and block_hashes[index] in cached_blocks:
+                index -= 1
+            if index < first:
+                window = [cached_blocks[key] for key in block_hashes[first:end]]
+                return [self.block_pool.null_block] * first + window
+            end, index = index, index - 1  # a miss: the hit ends before it
+        return []
+
+    def _num_skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks that no query from position `num_computed` on sees (its window's
+        first key is num_computed - window + 1)."""
+        return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
 
     def host_prefix_hits(self, request: KVCacheRequest, num_hit_blocks: int) -> int:
         """How many blocks after the request's `num_hit_blocks` device hits continue its
@@ -194,9 +240,11 @@ class KVCacheManager:
         return count
 
     def _register(self, request: KVCacheRequest) -> _RequestBlocks:
-        extra_keys = request_extra_keys(request) if self.enable_caching else b""
-        state = self._requests[request.request_id] = _RequestBlocks(extra_keys)
+        state = self._requests[request.request_id] = _RequestBlocks(self._extra_keys(request))
         return state
+
+    def _extra_keys(self, request: KVCacheRequest) -> bytes:
+        return request_extra_keys(request) + self.hash_salt if self.enable_caching else b""
 
     # ---------------------------------------------------------------- allocation
 
@@ -239,17 +287,16 @@ class KVCacheManager:
                 and num_scheduled_end <= len(request.all_token_ids) + num_lookahead_tokens
             ):
                 return []  # most decode steps: the token fits in a private, unfilled block
+        if self.sliding_window:
+            self._free_passed_blocks(request, state)
         hits = new_computed_blocks or ()
         num_computed = self._check_allocation(
             request, state, num_new_tokens, hits, num_new_computed_tokens, num_host_hit_blocks
         )
         num_scheduled_end = num_computed + num_new_tokens
         cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
-        # New blocks: those the scheduled tokens reach beyond the held and hit ones, plus the
-        # private copy of a shared block.
         num_slots_end = num_scheduled_end + num_lookahead_tokens
-        num_needed = -(-num_slots_end // self.block_size) - len(state.blocks) - len(hits)
-        num_needed = (num_needed if num_needed > 0 else 0) + (cow_index >= 0)
+        num_needed = self._num_new_blocks(state, num_slots_end, hits, cow_index)
         if (num_needed or hits) and not self._fits_free_pool(num_needed, hits):
             return None  # nothing changed
         if not state.blocks:
@@ -321,15 +368,14 @@ class KVCacheManager:
                 "get_computed_blocks (and host_prefix_hits)"
             )
         block_hashes = state.block_hashes
-        if (
-            len(hits) > len(block_hashes)
-            or [block.block_hash for block in hits] != block_hashes[: len(hits)]
-        ):
-            block = next(
-                block
-                for index, block in enumerate(hits)
-                if index >= len(block_hashes) or block.block_hash != block_hashes[index]
-            )
+        stale = [
+            block
+            for index, block in enumerate(hits)
+            if index >= len(block_hashes)
+            or (block.block_hash != block_hashes[index] and not block.is_null)
+        ]
+        if stale:
+            block = stale[0]
             raise InvalidAllocationError(
                 f"prefix hit {block} for request {request.request_id!r} is stale (evicted "
                 "since the lookup); call allocate_slots right after get_computed_blocks"
@@ -340,6 +386,7 @@ class KVCacheManager:
         self.block_pool.touch(hits)
         self._append_blocks(state, hits)
         state.num_cached_blocks = len(state.blocks)
+        state.num_skipped = sum(1 for block in hits if block.is_null)  # a window's, leading
 
     def _copy_on_write_index(self, state: _RequestBlocks, num_computed: int) -> int:
         """Index of the block the step starts writing into if it must be copied first, else -1.
@@ -356,9 +403,59 @@ class KVCacheManager:
     def _fits_free_pool(self, num_needed: int, hits: Sequence[KVCacheBlock]) -> bool:
         """Whether `num_needed` new blocks are free once the hits are taken."""
         num_free = self.block_pool.free_block_queue.num_free_blocks
-        if hits:  # hits sitting in the free queue stop being free once touched
-            num_free -= sum(1 for block in hits if block.ref_cnt == 0)
-        return num_needed <= num_free
+        return num_needed + _num_free_hits(hits) <= num_free
+
+    def blocks_needed(
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free blocks `allocate_slots` with these arguments would take (the hits sitting in
+        the free queue among them), so that the groups of a hybrid manager allocate all or
+        nothing. Gives back the blocks a sliding window passed, as allocating would."""
+        state = self._get_state(request)
+        if self.sliding_window:
+            self._free_passed_blocks(request, state)
+        hits = new_computed_blocks or ()
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots_end = num_computed + num_new_tokens + num_lookahead_tokens
+        if not hits and num_slots_end <= state.fast_path_end:
+            return 0
+        cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
+        return self._num_new_blocks(state, num_slots_end, hits, cow_index) + _num_free_hits(hits)
+
+    def _num_new_blocks(
+        self,
+        state: _RequestBlocks,
+        num_slots_end: int,
+        hits: Sequence[KVCacheBlock],
+        cow_index: int,
+    ) -> int:
+        """New blocks: those the slots reach beyond the held and hit ones, plus the private
+        copy of a shared block."""
+        num_needed = -(-num_slots_end // self.block_size) - len(state.blocks) - len(hits)
+        return (num_needed if num_needed > 0 else 0) + (cow_index >= 0)
+
+    def _free_passed_blocks(self, request: KVCacheRequest, state: _RequestBlocks) -> None:
+        """Gives back the leading blocks every later query's window has passed (offered to
+        the prefix cache already, so they stay hittable until reused); their entries become
+        the null block. Runs once a block fills: O(blocks given back)."""
+        num_skipped = min(
+            self._num_skipped_blocks(request.num_computed_tokens), state.num_cached_blocks
+        )
+        start = state.num_skipped
+        if num_skipped <= start:
+            return
+        passed = state.blocks[start:num_skipped]
+        state.blocks[start:num_skipped] = [self.block_pool.null_block] * len(passed)
+        state.block_ids[start:num_skipped] = [NULL_BLOCK_ID] * len(passed)
+        state.num_skipped = num_skipped
+        state.synced = min(state.synced, start)
+        # Oldest first to the back of the queue: the oldest is evicted first.
+        self.block_pool.free_blocks(passed)
 
     def _count_admission(
         self, request: KVCacheRequest, num_hit_tokens: int, num_host_hit_tokens: int = 0
@@ -472,7 +569,7 @@ class KVCacheManager:
                 f"child {child.request_id!r} must start from a computed prefix of "
                 f"{parent.request_id!r}: copy its first num_computed_tokens tokens and count"
             )
-        extra_keys = request_extra_keys(child) if self.enable_caching else b""
+        extra_keys = self._extra_keys(child)
         if extra_keys != parent_state.extra_keys:
             raise InvalidAllocationError(
                 f"child {child.request_id!r} has different extra cache keys (cache_salt, ...) "
@@ -489,6 +586,7 @@ class KVCacheManager:
             block_ids=parent_state.block_ids[:num_shared_blocks],
             block_hashes=parent_state.block_hashes[:num_full],
             num_cached_blocks=min(parent_state.num_cached_blocks, num_full),
+            num_skipped=min(parent_state.num_skipped, num_shared_blocks),
         )
 
     # ------------------------------------------------------------------ swapping
@@ -605,6 +703,11 @@ class KVCacheManager:
                     self._held_copy_sources.append(block)
 
     # ----------------------------------------------------------------- queries
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each KV cache group's sliding window (0: full attention): this manager's one."""
+        return (self.sliding_window,)
 
     def has_request(self, request_id: Hashable) -> bool:
         return request_id in self._requests

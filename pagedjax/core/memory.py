@@ -107,3 +107,17 @@ class MemoryLedger:
                 f"cached, {self.host_total_blocks} total"
             )
         return text
+
+
+def blocks_held(
+    num_tokens: int, block_size: int, windows: tuple[int, ...] = (0,), max_step_tokens: int = 0
+) -> int:
+    """The most blocks a request of `num_tokens` tokens holds at once over KV cache groups
+    with these sliding windows (0: full attention), allocating at most `max_step_tokens` a
+    step: a sliding group holds its window's blocks, a step's past it, and partial ones at
+    both ends."""
+    blocks = -(-num_tokens // block_size)
+    return sum(
+        min(blocks, (window + max_step_tokens) // block_size + 2) if window else blocks
+        for window in windows
+    )

@@ -35,13 +35,17 @@ def is_placeholder(token: int) -> bool:
 class ScheduledSequence:
     """One sequence's share of a step: compute `token_ids` after its computed context. Its
     block table is the runner's persistent row for `request_id` with its entries from
-    `table_start` on replaced by `new_block_ids` (`KVCacheManager.table_update`)."""
+    `table_start` on replaced by `new_block_ids` (`KVCacheManager.table_update`), and as
+    much for each further KV cache group."""
 
     token_ids: Sequence[int]
     num_computed_tokens: int
     request_id: Any
     table_start: int
     new_block_ids: Sequence[int]
+    # The other KV cache groups' (table_start, new_block_ids), in group order (a hybrid
+    # model's: `HybridKVCacheManager.table_update`).
+    group_tables: Sequence[tuple[int, Sequence[int]]] = ()
     # Prompt logprobs: token_ids[prompt_logprobs_offset + i] predicts prompt_logprob_targets[i].
     prompt_logprob_targets: Sequence[int] = ()
     prompt_logprobs_offset: int = 0

@@ -34,7 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
+from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.memory import blocks_held
 from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.sched_output import (
     EngineCoreOutput,
@@ -61,6 +63,10 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     usable_blocks: int
+    # Each KV cache group's sliding window (0: full attention) and the most tokens a
+    # request's step allocates: a sliding group holds only its window's blocks.
+    group_windows: tuple[int, ...] = (0,)
+    max_step_tokens: int = 0
 
     def check(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises when such a request could never run (so it would wait forever)."""
@@ -76,7 +82,7 @@ class RequestLimits:
                 f"exceeds max_model_len {self.max_model_len}: shorten the prompt (or set "
                 "truncate_prompt_tokens), lower max_tokens, or raise max_model_len"
             )
-        blocks = -(-total // self.block_size)
+        blocks = blocks_held(total, self.block_size, self.group_windows, self.max_step_tokens)
         usable = self.usable_blocks
         if blocks > usable:
             raise RequestTooLongError(
@@ -110,7 +116,7 @@ DEFAULT_POLICY = PriorityPolicy()
 class Scheduler:
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,
@@ -166,6 +172,11 @@ class Scheduler:
             self.max_model_len,
             self.kv.block_size,
             self.kv.block_pool.num_usable_blocks,
+            self.kv.windows,
+            # Lookahead slots: a step's further decode steps, or its drafts.
+            self.max_num_batched_tokens
+            + self.num_scheduler_steps
+            + (self.speculative.num_speculative_tokens if self.speculative else 0),
         )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:

@@ -137,9 +137,12 @@ def decode_steps(
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
     num_tokens, num_rows = token_ids.shape[0], rows.shape[0]
-    num_seqs, width = metadata.block_tables.shape
+    # [G, S, W]: each KV cache group's tables (one group: no group dimension given).
+    grouped = metadata.block_tables.ndim == 3
+    group_tables = metadata.block_tables if grouped else metadata.block_tables[None]
+    num_seqs, width = group_tables.shape[1:]
     seq = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
-    tables = metadata.block_tables[seq]  # [T, W]: each token's sequence's table
+    tables = group_tables[:, seq]  # [G, T, W]: each token's sequence's tables
     seq_limits = jnp.zeros(num_seqs, jnp.int32).at[seq].max(limits)
     no_copies = jnp.zeros((0, 2), jnp.int32)
 
@@ -147,8 +150,10 @@ def decode_steps(
         token_ids, kv_cache, out_tokens, out_finite, out_logprobs, history = carry
         offset = jnp.minimum(i, jnp.maximum(limits - 1, 0))  # [T]: stays at the last step
         pos = positions + offset
-        block = jnp.take_along_axis(tables, jnp.minimum(pos // block_size, width - 1)[:, None], 1)
-        slots = jnp.where(i < limits, block[:, 0] * block_size + pos % block_size, PAD_SLOT)
+        index = jnp.minimum(pos // block_size, width - 1)
+        block = jnp.take_along_axis(tables, index[None, :, None], 2)[..., 0]  # [G, T]
+        slots = jnp.where(i < limits, block * block_size + pos % block_size, PAD_SLOT)
+        slots = slots if grouped else slots[0]
         seq_offset = jnp.minimum(i, jnp.maximum(seq_limits - 1, 0))
         seq_lens = jnp.where(metadata.seq_lens > 0, metadata.seq_lens + seq_offset, 0)
         step_metadata = dataclasses.replace(metadata, slot_mapping=slots, seq_lens=seq_lens)

@@ -31,6 +31,7 @@ from kernels_pallas.kv_cache import (
     allocate_kv_cache,
     with_scales,
 )
+from kernels_pallas.kv_groups import KVCacheGroups, single_group
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from models.config import ModelConfig
 from models.llama import Params, forward_logits
@@ -109,16 +110,19 @@ def activation_bytes(
     max_blocks_per_seq: int,
     attention: AttentionBackend,
     kv_spec: KVCacheSpec,
+    num_groups: int = 1,
 ) -> int:
     """Peak temporary memory of the forward at `num_tokens` tokens, from XLA's compiled memory
     analysis (compiled, never run) with a minimal pool, whose size does not change the
-    temporaries. Used to size the KV pool from the device memory that is left."""
-    cache = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, 16))
+    temporaries. Used to size the KV pool from the device memory that is left. num_groups:
+    the KV cache groups (`kv_spec` counting their slabs as layers)."""
+    cache = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, 16, config.num_layers))
     ints = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
     seqs = min(num_tokens, 256)
+    groups = (num_groups,) if num_groups > 1 else ()
     metadata = AttentionMetadata(
-        slot_mapping=ints,
-        block_tables=jax.ShapeDtypeStruct((seqs, max_blocks_per_seq), jnp.int32),
+        slot_mapping=jax.ShapeDtypeStruct((*groups, num_tokens), jnp.int32),
+        block_tables=jax.ShapeDtypeStruct((*groups, seqs, max_blocks_per_seq), jnp.int32),
         seq_lens=jax.ShapeDtypeStruct((seqs,), jnp.int32),
         query_start_loc=jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
         num_seqs=jax.ShapeDtypeStruct((), jnp.int32),
@@ -248,18 +252,23 @@ class ModelRunner:
         device: jax.Device | None = None,
         num_host_blocks: int = 0,
         draft: DraftModel | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ):
         """tp: run split over its group (params placed by it); device: the one device of
         an engine that is not the default device's (a data-parallel replica's);
         num_host_blocks: the host tier's blocks (swapping), 0 for none; draft: speculative
-        decoding's draft model (`draft_model.py`), whose pool gets the same blocks."""
+        decoding's draft model (`draft_model.py`), whose pool gets the same blocks;
+        kv_groups: the KV cache groups (`kernels_pallas/kv_groups.py`), whose slabs
+        `kv_spec` counts as its layers (default: one group, a slab per layer)."""
+        self.kv_groups = kv_groups or single_group(model_config.num_layers)
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
         self.kv_spec, self.tp = kv_spec, tp
         self.block_size = block_size = config.block_size
         self._pool_sharding = None
         if tp is not None:
-            shape = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, block_size))
+            layers = model_config.num_layers
+            shape = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, block_size, layers))
             self._pool_sharding = tp.shardings(tp.pool_spec(shape))
         elif device is not None:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(device)
@@ -295,10 +304,15 @@ class ModelRunner:
         max_tokens, max_seqs = self.token_buckets[-1], self.max_seqs_bucket
         self._tokens = np.zeros(max_tokens, np.int32)
         self._positions = np.zeros(max_tokens, np.int32)
-        self._slots = np.full(max_tokens, PAD_SLOT, np.int32)
-        self._tables = np.full((max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
+        # Per KV cache group (one unless the model mixes attention kinds: `kv_groups`).
+        num_groups = self.kv_groups.num_groups
+        self._slots = np.full((num_groups, max_tokens), PAD_SLOT, np.int32)
+        self._tables = np.full((num_groups, max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
         # Each running request's block ids, kept across steps (`worker/block_table.py`).
         self.block_tables = BlockTables(2 * max_seqs, self.width_buckets[0])
+        self.group_block_tables = [
+            BlockTables(2 * max_seqs, self.width_buckets[0]) for _ in range(num_groups - 1)
+        ]
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
@@ -327,6 +341,8 @@ class ModelRunner:
         """A zeroed pool (the target's, or `spec`'s), created where it lives (split by KV head
         under tensor parallelism)."""
         allocate = partial(allocate_kv_cache, spec or self.kv_spec, num_blocks, self.block_size)
+        if spec is None:  # the target's: its fp8 scales are per layer, not per slab
+            allocate = partial(allocate, num_scale_layers=self.model_config.num_layers)
         if self._pool_sharding is None:
             return allocate()
         return jax.jit(allocate, out_shardings=self._pool_sharding)()
@@ -491,20 +507,25 @@ class ModelRunner:
         table_rows = [update(s.request_id, s.table_start, s.new_block_ids) for s in seqs]
         most = max(s.table_start + len(s.new_block_ids) for s in seqs)
         block_tables = self.block_tables.gather(table_rows, most)  # [len(seqs), most]
+        group_tables = [block_tables]  # every group's table is as long
+        for group, tables in enumerate(self.group_block_tables):
+            rows = [tables.update(s.request_id, *s.group_tables[group]) for s in seqs]
+            group_tables.append(tables.gather(rows, most))
         width = self._bucket_width(most)
         bs = self.block_size
         tokens, positions, slots = (
             self._tokens[:t_pad],
             self._positions[:t_pad],
-            self._slots[:t_pad],
+            self._slots[:, :t_pad],
         )
-        tables, seq_lens = self._tables[:s_pad, :width], self._seq_lens[:s_pad]
+        tables, seq_lens = self._tables[:, :s_pad, :width], self._seq_lens[:s_pad]
         query_start = self._query_start[: s_pad + 1]
-        slots[num_tokens:] = PAD_SLOT
+        slots[:, num_tokens:] = PAD_SLOT
         tokens[num_tokens:] = 0
         positions[num_tokens:] = 0
         tables.fill(NULL_BLOCK)
-        tables[: len(seqs), : block_tables.shape[1]] = block_tables
+        for group, group_table in enumerate(group_tables):
+            tables[group, : len(seqs), : group_table.shape[1]] = group_table
         seq_lens.fill(0)
         query_start.fill(num_tokens)
         # Gathered in Python lists and written with one numpy call each: most sequences are
@@ -539,7 +560,7 @@ class ModelRunner:
         else:
             owner = np.repeat(np.arange(len(seqs)), np.diff(ends, prepend=0))
         step = positions[:num_tokens]
-        slots[:num_tokens] = block_tables[owner, step // bs] * bs + step % bs
+        slots[:, :num_tokens] = tables[:, owner, step // bs] * bs + step % bs
         seq_lens[: len(seqs)] = lens
         query_start[0] = 0
         query_start[1 : len(seqs) + 1] = ends
@@ -552,9 +573,10 @@ class ModelRunner:
             copies[: len(block_copies)] = block_copies
         # Copies, not views: dispatch is asynchronous and may read host memory after we
         # return, while the next step refills these buffers.
+        grouped = len(group_tables) > 1  # else without the group dimension
         metadata = AttentionMetadata(
-            slot_mapping=slots.copy(),
-            block_tables=tables.copy(),
+            slot_mapping=(slots if grouped else slots[0]).copy(),
+            block_tables=(tables if grouped else tables[0]).copy(),
             seq_lens=seq_lens.copy(),
             query_start_loc=query_start.copy(),
             num_seqs=np.int32(len(seqs)),
@@ -596,7 +618,8 @@ class ModelRunner:
         the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
         ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device.
         num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r]."""
-        self.block_tables.forget(freed_request_ids)  # before the step's own updates
+        for tables in (self.block_tables, *self.group_block_tables):
+            tables.forget(freed_request_ids)  # before the step's own updates
         self._swap(*swaps)
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
@@ -891,9 +914,10 @@ class ModelRunner:
         """The forward's arguments for a step of only padding at bucket t_pad and width: it
         writes nothing and reads masked pages."""
         s_pad = min(t_pad, self.max_seqs_bucket)
+        groups = (self.kv_groups.num_groups,) if self.kv_groups.num_groups > 1 else ()
         metadata = AttentionMetadata(
-            slot_mapping=np.full(t_pad, PAD_SLOT, np.int32),
-            block_tables=np.full((s_pad, width), NULL_BLOCK, np.int32),
+            slot_mapping=np.full((*groups, t_pad), PAD_SLOT, np.int32),
+            block_tables=np.full((*groups, s_pad, width), NULL_BLOCK, np.int32),
             seq_lens=np.zeros(s_pad, np.int32),
             query_start_loc=np.zeros(s_pad + 1, np.int32),
             num_seqs=np.int32(0),

@@ -18,6 +18,7 @@ import numpy as np
 
 from kernels_pallas.backend import AttentionBackend, AttentionSpec
 from kernels_pallas.kv_cache import KV_CACHE_DTYPES
+from kernels_pallas.kv_groups import kv_cache_groups
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import checkpoint_dtype, load_model, load_tokenizer
@@ -32,7 +33,7 @@ from models.tensor_parallel import (
 )
 from models.weights import LinearWeight, StackedLinearWeight
 from pagedjax.config import EngineConfig
-from pagedjax.core.memory import KVCacheSpec
+from pagedjax.core.memory import KVCacheSpec, blocks_held
 from pagedjax.core.sched_output import SchedulerOutput
 from pagedjax.distributed import StepChannel
 from pagedjax.kv_scales import calibrate_kv_scales, calibration_prompts, describe, load_kv_scales
@@ -132,8 +133,15 @@ class Worker:
         kv_dtype = dtype if kv_name == "auto" else jnp.dtype(KV_CACHE_DTYPES[kv_name])
         # The whole pool (its KV heads replicated where the split needs more), and one
         # device's part of it, which the device's memory budget sizes.
+        self.kv_groups = kv_cache_groups(
+            model_config.sliding_windows, model_config.num_layers, self._hybrid()
+        )
+        # A block holds a group's slabs (every layer without groups).
         self.kv_spec = KVCacheSpec(
-            model_config.num_layers, shard.num_kv_heads * size, model_config.head_dim, kv_dtype
+            self.kv_groups.num_slabs,
+            shard.num_kv_heads * size,
+            model_config.head_dim,
+            kv_dtype,
         )
         self.device_kv_spec = replace(self.kv_spec, num_kv_heads=shard.num_kv_heads)
         # Given scales are checked against the model's shape before anything is allocated.
@@ -194,12 +202,22 @@ class Worker:
             total += self.draft.kv_spec.bytes_per_block(block_size)
         return total
 
+    def _hybrid(self) -> bool:
+        """Whether the KV cache is split into groups that free what their windows passed."""
+        config = self.config
+        spec = config.speculative_config
+        return not (
+            config.disable_hybrid_kv_cache_manager
+            or config.preemption_mode == "swap"
+            or (spec is not None and spec.method == "draft_model")
+        )
+
     def _host_blocks(self) -> int:
         """The host tier's blocks for swap_space (of the whole pool's heads); ValueError for
-        more than the machine's memory."""
+        more than the machine's memory. None where KV cache groups free blocks."""
         config = self.config
         swap_bytes = int(config.swap_space * 2**30)
-        if not swap_bytes:
+        if not swap_bytes or self.kv_groups.frees_blocks:
             return 0
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if swap_bytes > machine:
@@ -321,6 +339,7 @@ class Worker:
                     tp=self.tp,
                     device=self.devices[0] if self._placed and self.tp is None else None,
                     num_host_blocks=self.num_host_blocks,
+                    kv_groups=self.kv_groups,
                     draft=self.draft,
                 )
                 if self.platform.probes_attention:
@@ -413,12 +432,16 @@ class Worker:
             tokens / config.max_model_len,
             config.max_model_len,
         )
-        if usable < -(-config.max_model_len // block_size):
+        windows, step = self.kv_groups.windows, config.max_num_batched_tokens
+        needed = blocks_held(config.max_model_len, block_size, windows, step)
+        if usable < needed:
+            shorter = "lower max_model_len"
+            if not self.kv_groups.frees_blocks:  # then a block holds block_size tokens
+                shorter = f"set max_model_len <= {tokens}"
             raise ValueError(
-                f"the KV pool holds {tokens} tokens ({usable} blocks of {block_size}), "
-                f"less than one request of max_model_len {config.max_model_len}: set "
-                f"max_model_len <= {tokens} or give more KV memory (num_kv_blocks or "
-                "kv_cache_memory_bytes)"
+                f"the KV pool has {usable} blocks of {block_size} tokens, fewer than the "
+                f"{needed} one request of max_model_len {config.max_model_len} may hold: "
+                f"{shorter} or give more KV memory (num_kv_blocks or kv_cache_memory_bytes)"
             )
         return num_blocks
 
@@ -462,6 +485,7 @@ class Worker:
                 -(-config.max_model_len // config.block_size),
                 self.attention,
                 self.device_kv_spec,
+                self.kv_groups.num_groups,
             )
         except Exception as error:
             raise _BackendFailure(error) from error

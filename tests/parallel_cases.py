@@ -46,11 +46,12 @@ def case_params() -> list:
     return [pair if i == 1 else greedy for i in range(len(prompts()))]
 
 
-def engine_case(model_dir: str, tp: int, dp: int) -> dict:
+def engine_case(model_dir: str, tp: int, dp: int, **options) -> dict:
     from pagedjax import LLM
     from pagedjax.beam_search import BeamSearchParams
 
-    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SMALL_POOL)
+    options = {**SMALL_POOL, **options}
+    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **options)
     first = generate(llm, case_params())
     again = generate(llm, case_params())  # the prefix cache holds every prompt now
     stats = llm.llm_engine.stats()
@@ -235,8 +236,10 @@ def main() -> None:
             f"llama/{tp}x{dp}": engine_case(model_dir, tp, dp)
             for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))
         }
-        for tp in (1, 2):  # one KV head: replicated on both shards
-            results[f"window/{tp}x1"] = engine_case(window_dir, tp, 1)
+        # Gemma 3: one KV head, replicated on both shards; KV cache groups (a table each
+        # for its sliding and full layers) with the bytes of 14 three-layer blocks.
+        for tp in (1, 2):
+            results[f"window/{tp}x1"] = engine_case(window_dir, tp, 1, num_kv_blocks=42)
         results["layout"] = layout_case(model_dir, 2)
         results["async/1x2"] = async_case(model_dir)
         results["draft/1x2"] = draft_case(model_dir)

@@ -97,6 +97,66 @@ def test_family_greedy_holds_through_chunks_preemption_prefix_hits_and_n(tiny, n
     assert engine.engine_core.kv_cache_manager.prefix_cache_stats.hit_rate > 0
 
 
+def test_gemma3_long_conversation_holds_its_windows_not_its_length(tiny):
+    """Gemma 3's sliding layers give back the blocks their 5-token window passed (KV cache
+    groups, vLLM's hybrid allocator): a 96-token conversation ends holding its
+    full-attention layer's 12 blocks and 1 or 2 blocks per sliding layer, where one table
+    over every layer holds 12 for each (a prefill chunk still holds its whole length); the
+    greedy tokens are transformers' either way."""
+    prompt = make_prompts(1, seed=9, lo=70, hi=71)[0]
+    want = hf_greedy(tiny("gemma3")[1], prompt, 26)
+    end_bytes = {}
+    for hybrid in (True, False):
+        engine = make_engine(tiny, "gemma3", block_size=8, num_kv_blocks=100,
+                             disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+        kv = engine.engine_core.kv_cache_manager
+        engine.add_request("0", prompt, SamplingParams(max_tokens=26, **GREEDY))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.outputs[0].token_ids
+            request = engine.engine_core.scheduler.requests.get("0")
+            if request is not None and kv.has_request(request.request_id):
+                tables = kv.get_block_ids(request)
+                end_bytes[hybrid] = kv.memory_ledger().used_bytes
+        assert tokens == want
+        if hybrid:  # the tables at 95 tokens: every block in the full group, a window's
+            full, *sliding = tables
+            assert len(full) == 12 and all(full) and len(sliding) == 2
+            assert all(len(t) == 12 and 1 <= sum(map(bool, t)) <= 2 for t in sliding)
+    # 12 + 2 x 2 one-layer blocks at most, against 12 three-layer blocks.
+    assert end_bytes[True] <= (12 + 2 * 2) / (12 * 3) * end_bytes[False]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_scheduler_steps=4),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_min": 1}),
+        dict(attention_backend="xla"),
+        dict(kv_cache_dtype="fp8"),
+    ],
+    ids=["multi_step", "ngram", "xla", "fp8"],
+)  # fmt: skip
+def test_kv_cache_groups_hold_with_every_kind_of_step(tiny, options):
+    """Gemma 3's KV cache groups (blocks given back as its 5-token windows pass) under
+    multi-step decoding, n-gram drafts, XLA's attention: transformers' greedy tokens; with
+    an fp8 pool (per-layer scales over shared slabs): one table's tokens."""
+    prompts = [[5, 6, 7, 8] * 5 + p for p in make_prompts(3, seed=3, lo=4, hi=20)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    engine = make_engine(tiny, "gemma3", block_size=8, **options)
+    tokens = tokens_of(run(engine, prompts, params))
+    if options.get("kv_cache_dtype"):
+        one_table = make_engine(
+            tiny, "gemma3", block_size=8, disable_hybrid_kv_cache_manager=True, **options
+        )
+        assert tokens == tokens_of(run(one_table, prompts, params))
+    else:
+        assert tokens == [hf_greedy(tiny("gemma3")[1], prompt, 16) for prompt in prompts]
+    if "speculative_config" in options:
+        assert engine.stats()["spec_decode_num_drafts"] > 0
+
+
 @pytest.fixture(scope="module")
 def reference_run(tiny):
     prompts = make_prompts(8, seed=2)

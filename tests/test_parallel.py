@@ -39,7 +39,7 @@ def results_of(process: subprocess.Popen, timeout: float = 600) -> dict:
 @pytest.fixture(scope="module")
 def cases(tiny_model_dir) -> dict:
     llama, _ = tiny_model_dir("llama")  # 4 query heads, 2 KV heads
-    window, _ = tiny_model_dir("mistral_window")  # 4 query heads, 1 KV head
+    window, _ = tiny_model_dir("gemma3")  # 4 query heads, 1 KV head, sliding layers
     moe, _ = tiny_model_dir("qwen2_moe")  # 6 experts, a shared one, dense layers between
     return results_of(run_cases("engines", str(llama), str(window), str(moe)))
 
@@ -89,6 +89,7 @@ def test_async_llm_over_two_replicas(cases):
 
 @pytest.mark.slow
 def test_one_kv_head_is_replicated_on_two_shards(cases):
+    """Gemma 3 split in two, its KV cache groups' tables read inside shard_map."""
     assert cases["window/2x1"]["tokens"] == cases["window/1x1"]["tokens"]
     memory = cases["window/2x1"]["memory"]
     # Each shard holds the one KV head: per device as much pool as one device, twice in all.

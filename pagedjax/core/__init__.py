@@ -9,6 +9,7 @@ from pagedjax.core.errors import (
     UnknownRequestError,
 )
 from pagedjax.core.hashing import BlockHash, hash_block_tokens, hash_request_tokens
+from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedjax.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedjax.core.memory import KVCacheSpec, MemoryLedger, dtype_itemsize
 from pagedjax.core.request import KVCacheRequest, Request
@@ -19,6 +20,7 @@ __all__ = [
     "BlockPool",
     "DuplicateRequestError",
     "FreeBlockQueue",
+    "HybridKVCacheManager",
     "InvalidAllocationError",
     "KVCacheBlock",
     "KVCacheError",

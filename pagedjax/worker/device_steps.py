@@ -137,12 +137,9 @@ def decode_steps(
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
     num_tokens, num_rows = token_ids.shape[0], rows.shape[0]
-    # [G, S, W]: each KV cache group's tables (one group: no group dimension given).
-    grouped = metadata.block_tables.ndim == 3
-    group_tables = metadata.block_tables if grouped else metadata.block_tables[None]
-    num_seqs, width = group_tables.shape[1:]
+    num_seqs = metadata.seq_lens.shape[0]
     seq = jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)
-    tables = group_tables[:, seq]  # [G, T, W]: each token's sequence's tables
+    tables = metadata.block_tables[..., seq, :]  # [(G,) T, W]: each token's sequence's
     seq_limits = jnp.zeros(num_seqs, jnp.int32).at[seq].max(limits)
     no_copies = jnp.zeros((0, 2), jnp.int32)
 
@@ -150,10 +147,8 @@ def decode_steps(
         token_ids, kv_cache, out_tokens, out_finite, out_logprobs, history = carry
         offset = jnp.minimum(i, jnp.maximum(limits - 1, 0))  # [T]: stays at the last step
         pos = positions + offset
-        index = jnp.minimum(pos // block_size, width - 1)
-        block = jnp.take_along_axis(tables, index[None, :, None], 2)[..., 0]  # [G, T]
-        slots = jnp.where(i < limits, block * block_size + pos % block_size, PAD_SLOT)
-        slots = slots if grouped else slots[0]
+        slots = _token_slots(tables, pos, block_size)
+        slots = jnp.where(i < limits, slots, PAD_SLOT)
         seq_offset = jnp.minimum(i, jnp.maximum(seq_limits - 1, 0))
         seq_lens = jnp.where(metadata.seq_lens > 0, metadata.seq_lens + seq_offset, 0)
         step_metadata = dataclasses.replace(metadata, slot_mapping=slots, seq_lens=seq_lens)
@@ -200,6 +195,19 @@ def decode_steps(
     )
     _, kv_cache, tokens, finite, logprobs, _ = jax.lax.fori_loop(0, num_steps, step, init)
     return tokens, finite, logprobs, kv_cache
+
+
+def _token_slots(
+    tables: jax.Array,  # [T, W] each token's sequence's table, or [G, T, W] with groups
+    pos: jax.Array,  # [T] each token's position
+    block_size: int,
+) -> jax.Array:
+    """[T] (or [G, T]) each token's pool slot, from its sequence's table (each group's)."""
+    index = jnp.minimum(pos // block_size, tables.shape[-1] - 1)
+    block = jnp.take_along_axis(
+        tables, jnp.broadcast_to(index[:, None], (*tables.shape[:-1], 1)), -1
+    )
+    return block[..., 0] * block_size + pos % block_size
 
 
 @partial(jax.jit, static_argnames=("stride", "size"))

@@ -274,6 +274,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="fail at start-up if the Pallas kernels fail, instead of running XLA's attention",
     )
     engine.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        default=None,
+        help="one block table over every layer of a sliding-window model (with the host "
+        "tier), instead of KV cache groups that free what the windows passed",
+    )
+    engine.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",

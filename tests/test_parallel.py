@@ -279,10 +279,12 @@ class _HostOnlyWorker:
     """Enough of a worker for an engine core that is never stepped: routing only."""
 
     def __init__(self):
+        from kernels_pallas.kv_groups import single_group
         from pagedjax.core.memory import KVCacheSpec
 
         self.num_blocks, self.kv_spec = 64, KVCacheSpec(2, 2, 16, "float32")
         self.num_host_blocks = 0
+        self.kv_groups = single_group(2)
 
 
 def _router(slack: int):

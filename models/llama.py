@@ -52,6 +52,7 @@ from kernels_pallas.kv_groups import kv_cache_groups
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
+from models.lora import lora_delta
 from models.moe import MOE_WEIGHTS, moe_mlp, swiglu
 from models.weights import LinearWeight, layer_matmul
 
@@ -59,6 +60,8 @@ Params = dict
 AttentionFn = Callable[..., jax.Array]
 # Whatever a layer's attention carries from layer to layer (the paged forward: the KV pool).
 AttendState = Any
+# (each token's adapter slot [T], params["lora"]): see `models/lora.py`.
+LoRAInputs = tuple[jax.Array, dict]
 # (q, k, v, layer, sliding_window, sinks, state) -> (out, state): see `decoder_layers`.
 Attend = Callable[
     [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, AttendState],
@@ -156,10 +159,11 @@ def _attention_block(
     attend: Attend,
     state: AttendState,
     axis_name: str | None,
+    lora: LoRAInputs | None = None,
 ) -> tuple[jax.Array, AttendState]:
     num_tokens = x.shape[0]
     h = rms_norm(x, layer_params["attn_norm"], config.rms_norm_eps)
-    qkv = layer_matmul(h, weights["wqkv"], layer)
+    qkv = _matmul(h, weights, "wqkv", layer, lora)
     if config.attention_bias:
         qkv = qkv + layer_params["bqkv"]
     q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
@@ -174,13 +178,24 @@ def _attention_block(
     sinks = layer_params["sinks"] if config.attention_sinks else None
     out, state = attend(q, k, v, layer, sliding_window, sinks, state)
     # Tensor parallel: o_proj's rows are sharded by head, so each shard holds a partial sum.
-    out = layer_matmul(out.reshape(num_tokens, config.q_size), weights["wo"], layer)
+    out = _matmul(out.reshape(num_tokens, config.q_size), weights, "wo", layer, lora)
     out = all_reduce(out, axis_name)
     if config.attention_out_bias:  # after the sum: every shard holds it whole
         out = out + layer_params["bo"]
     if config.post_norms:
         out = rms_norm(out, layer_params["post_attn_norm"], config.rms_norm_eps)
     return x + out, state
+
+
+def _matmul(
+    x: jax.Array, weights: Params, name: str, layer: jax.Array, lora: LoRAInputs | None
+) -> jax.Array:
+    """x @ weights[name][layer], plus each token's adapter's product where LoRA is on."""
+    out = layer_matmul(x, weights[name], layer)
+    if lora is None:
+        return out
+    slots, adapters = lora
+    return out + lora_delta(x, adapters[name], layer, slots)
 
 
 def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
@@ -197,13 +212,14 @@ def _mlp_block(
     mlp_layer: jax.Array,  # [] int32: the layer's index among the dense or the expert layers
     sparse: jax.Array,  # [] bool: an expert layer
     axis_name: str | None,
+    lora: LoRAInputs | None = None,  # dense models only (adapters on experts are refused)
 ) -> jax.Array:
     h = rms_norm(x, layer_params["mlp_norm"], config.rms_norm_eps)
     activation = _activation(config)
 
     def dense() -> jax.Array:
-        hidden = swiglu(layer_matmul(h, weights["w_gate_up"], mlp_layer), activation)
-        return layer_matmul(hidden, weights["w_down"], mlp_layer)
+        hidden = swiglu(_matmul(h, weights, "w_gate_up", mlp_layer, lora), activation)
+        return _matmul(hidden, weights, "w_down", mlp_layer, lora)
 
     def experts() -> jax.Array:
         return moe_mlp(config, weights, h, mlp_layer, activation, axis_name)
@@ -228,9 +244,11 @@ def decoder_layers(
     attend: Attend,
     state: AttendState = None,
     axis_name: str | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, AttendState]:
     """The decoder layers over flat tokens, as one scan; returns final-normed hidden states
-    [T, H] and `attend`'s state as the last layer left it.
+    [T, H] and `attend`'s state as the last layer left it. lora_slots [T]: each token's
+    adapter slot in params["lora"] (`models/lora.py`), 0 for none.
 
     `attend(q [T, heads, D], k, v [T, kv_heads, D], layer, sliding_window, sinks, state)` ->
     (out [T, heads, D], state) is each layer's attention of q over k and v (sinks: [heads]
@@ -246,6 +264,7 @@ def decoder_layers(
     indexed = MATMUL_WEIGHTS + MOE_WEIGHTS
     weights = {k: v for k, v in params["layers"].items() if k in indexed}
     scanned = {k: v for k, v in params["layers"].items() if k not in indexed}
+    lora = None if lora_slots is None else (lora_slots, params["lora"])
 
     def layer_step(carry, per_layer):
         x, state = carry
@@ -254,9 +273,10 @@ def decoder_layers(
         if local is not None:  # this layer's table: the local one where it slides
             c, s = jnp.where(window > 0, local[0], cos), jnp.where(window > 0, local[1], sin)
         x, state = _attention_block(
-            config, layer_params, weights, x, c, s, layer, window, attend, state, axis_name
+            config, layer_params, weights, x, c, s, layer, window, attend, state, axis_name, lora
         )
-        x = _mlp_block(config, layer_params, weights, x, mlp_layer, sparse, axis_name)
+        mlp_lora = lora if config.moe is None else None
+        x = _mlp_block(config, layer_params, weights, x, mlp_layer, sparse, axis_name, mlp_lora)
         return (x, state), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
@@ -279,9 +299,11 @@ def forward(
     metadata: AttentionMetadata,
     attention_fn: AttentionFn = ragged_paged_attention,
     axis_name: str | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a step's flat tokens; returns final-normed hidden states [T, H]
-    and the pool with this step's K/V written into it.
+    and the pool with this step's K/V written into it. lora_slots [T]: each token's adapter
+    slot (`models/lora.py`), None without adapters.
 
     axis_name: run as one shard of a tensor-parallel group under `shard_map` (Megatron-style,
     see `models/tensor_parallel.py`): `config` and the params are the shard's (its heads, its
@@ -327,7 +349,7 @@ def forward(
         return out, pool
 
     x = embed_tokens(params, token_ids, axis_name)
-    return decoder_layers(params, config, x, positions, attend, kv_cache, axis_name)
+    return decoder_layers(params, config, x, positions, attend, kv_cache, axis_name, lora_slots)
 
 
 def _slab_scales(cache: KVCache, layer: jax.Array, num_slabs: int) -> KVCache:
@@ -377,10 +399,19 @@ def forward_logits(
     logits_indices: jax.Array,  # [R] int32 rows of the flat batch to compute logits for
     attention_fn: AttentionFn = ragged_paged_attention,
     axis_name: str | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """forward, then logits [R, V] for the selected rows only (usually each sequence's last)."""
     hidden, kv_cache = forward(
-        params, config, token_ids, positions, kv_cache, metadata, attention_fn, axis_name
+        params,
+        config,
+        token_ids,
+        positions,
+        kv_cache,
+        metadata,
+        attention_fn,
+        axis_name,
+        lora_slots,
     )
     logits = compute_logits(params, hidden[logits_indices], axis_name, config.final_logit_softcap)
     return logits, kv_cache

@@ -21,6 +21,7 @@ _EXPORTS = {
     "TextPrompt": "pagedjax.inputs",
     "TokensPrompt": "pagedjax.inputs",
     "PromptType": "pagedjax.inputs",
+    "LoRARequest": "pagedjax.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,13 @@ class EngineConfig:
     # SpeculativeConfig (`pagedjax/core/spec_decode.py`); None: none. Greedy output is
     # unchanged; sampled output keeps its distribution.
     speculative_config: SpeculativeConfig | dict | None = None
+    # LoRA adapters (vLLM's keywords, `pagedjax/lora/`): up to max_loras adapters of rank up
+    # to max_lora_rank in one step, each in a device slot; max_cpu_loras packed adapters kept
+    # on the host (None: max_loras), the others read from their path again when needed.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Devices: tensor_parallel_size of them run each engine replica, the model split over
     # them (Megatron-style, `models/tensor_parallel.py`); data_parallel_size replicas, each
     # with its own scheduler and KV pool, share the requests (`pagedjax/data_parallel.py`).
@@ -115,6 +123,25 @@ class EngineConfig:
 
         known = {f.name for f in fields(cls)} - {"model"}
         return cls(model=model, **split_options(options, known))
+
+    def _check_lora(self, check: Callable[[bool, str], None], drafting: bool) -> None:
+        check(
+            self.max_loras >= 1 and self.max_lora_rank >= 1,
+            f"max_loras and max_lora_rank must be positive: {self.max_loras}, {self.max_lora_rank}",
+        )
+        check(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+        )
+        check(
+            not (self.enable_lora and self.tensor_parallel_size > 1),
+            "LoRA adapters run on one device per engine for now: use tensor_parallel_size=1 "
+            "(data_parallel_size replicates)",
+        )
+        check(
+            not (self.enable_lora and drafting),
+            'LoRA adapters with a draft model are not supported: use method "ngram"',
+        )
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -211,6 +238,7 @@ class EngineConfig:
             "fp8 KV scales are the target model's: drop kv_cache_scales and "
             'calculate_kv_scales with a draft model, or use method "ngram"',
         )
+        self._check_lora(check, drafting)
         if self.kv_cache_scales is not None:
             from pagedjax.kv_scales import read_kv_scales  # imports JAX: only when needed
 

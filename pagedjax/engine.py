@@ -19,6 +19,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import load_tokenizer
+from models.lora import LoRAAdapter, LoRAError, check_adapter, load_peft_adapter
 from models.training import DenseKernels
 from pagedjax import distributed
 from pagedjax.config import EngineConfig
@@ -31,6 +32,7 @@ from pagedjax.engine_core import EngineCore
 from pagedjax.engine_core_client import CoreProcessClient
 from pagedjax.errors import DuplicateRequestIdError, EngineSleepingError, InvalidRequestError
 from pagedjax.inputs import Prompt, PromptType, parse_prompt
+from pagedjax.lora.request import LoRARequest
 from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import RequestOutput
 from pagedjax.platforms import current_platform, reserve_device_memory
@@ -126,14 +128,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validates everything first; raises ValueError (and changes nothing) on bad input."""
+        """Validates everything first; raises ValueError (and changes nothing) on bad input.
+        lora_request: the LoRA adapter it runs with (enable_lora), read now if new."""
         if request_id in self.output_processor.requests:
             raise DuplicateRequestIdError(
                 f"request id {request_id!r} is already in use; pick a new one"
             )
         request, prompt_text = self.process_request(
-            request_id, prompt, params, priority, arrival_time
+            request_id, prompt, params, priority, arrival_time, lora_request
         )
         self.add_processed_request(request, prompt_text)
 
@@ -144,6 +148,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineRequest, str | None]:
         """Tokenizes and validates a request without touching the engine's state, so a caller
         on another thread (AsyncLLM's) can do it while steps run; raises ValueError on bad
@@ -191,10 +196,62 @@ class LLMEngine:
             constraints=constraints,
         )
         request.cache_salt = prompt.cache_salt  # a key of its prefix-cache blocks
+        if lora_request is not None:
+            request.lora_request, request.lora_adapter = lora_request, self._adapter(lora_request)
+            request.lora_id = lora_request.lora_int_id  # a key of its prefix-cache blocks too
         return request, prompt_text
+
+    def _adapter(self, lora_request: LoRARequest) -> LoRAAdapter | None:
+        """The adapter a request names, read and checked if the engine does not hold it
+        (None if it does); InvalidRequestError saying what is wrong."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("lora_request needs an engine with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request must be a pagedjax.lora.request.LoRARequest, got "
+                f"{type(lora_request).__name__}"
+            )
+        if self.core_process is not None:
+            raise InvalidRequestError(
+                "LoRA adapters need the engine core in this process for now (core_process=False)"
+            )
+        slots = self.cores[0].worker.runner.lora
+        if slots.known(lora_request.lora_int_id):
+            return None
+        try:
+            adapter = load_peft_adapter(lora_request.lora_path)
+            check_adapter(adapter, self.model_config, self.config.max_lora_rank)
+        except LoRAError as error:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: {error}") from None
+        return adapter
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter into the host cache before any request names it (vLLM's)."""
+        adapter = self._adapter(lora_request)
+        for core in self.cores:
+            core.worker.runner.lora.add(lora_request, adapter)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter no unfinished request uses; False if unknown."""
+        requests = [r for core in self.cores for r in core.scheduler.requests.values()]
+        if any(r.lora_id == lora_id for r in requests):
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is in use by unfinished requests")
+        return all([core.worker.runner.lora.remove(lora_id) for core in self.cores])
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine holds."""
+        if not self.config.enable_lora or not self.cores:
+            return set()
+        return {r.lora_int_id for r in self.cores[0].worker.runner.lora.list_loras()}
 
     def add_processed_request(self, request: EngineRequest, prompt_text: str | None) -> None:
         """Queues a request from `process_request`; its id must not be in use."""
+        adapter = request.lora_adapter
+        if adapter is not None:  # read by process_request: registered here, between steps
+            for core in self.cores:
+                core.worker.runner.lora.add(request.lora_request, adapter)
+            request.lora_adapter = None
         self.output_processor.add_request(
             request.request_id,
             prompt_text,

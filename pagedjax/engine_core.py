@@ -72,6 +72,7 @@ class EngineCore:
             speculative=config.speculative_config,
             num_scheduler_steps=config.num_scheduler_steps,
             placeholder_stride=seqs_bucket(config),
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.num_steps = 0  # steps dispatched
         self.num_model_steps = 0  # forward passes they ran (several per multi-step step)

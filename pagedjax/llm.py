@@ -14,6 +14,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import InvalidRequestError
 from pagedjax.inputs import PromptType, parse_prompts
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.weight_sync import as_params, model_config_of, named_weights
@@ -139,11 +140,16 @@ class LLM:
         params: SamplingParams | Sequence | None,
         output_kind: RequestOutputKind | None = None,
         priority: Sequence[int] | None = None,
-        lora_request: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[str]:
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request: pagedjax serves no LoRA adapters yet")
         parsed = parse_prompts(prompts)
+        loras = lora_request if isinstance(lora_request, list | tuple) else None
+        if loras is not None and len(loras) != len(parsed):
+            raise ValueError(
+                f"got {len(loras)} LoRA requests for {len(parsed)} prompts: give one, or one "
+                "per prompt"
+            )
+        loras = loras or [lora_request] * len(parsed)
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * len(parsed)
         params = list(params)
@@ -162,9 +168,9 @@ class LLM:
             params = [copies[id(p)] for p in params]
         ids = []
         try:
-            for prompt, p, rank in zip(parsed, params, priority, strict=True):
+            for prompt, p, rank, lora in zip(parsed, params, priority, loras, strict=True):
                 request_id = str(self._counter)
-                self.llm_engine.add_request(request_id, prompt, p, priority=rank)
+                self.llm_engine.add_request(request_id, prompt, p, priority=rank, lora_request=lora)
                 self._counter += 1
                 ids.append(request_id)
         except Exception:
@@ -178,7 +184,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
-        lora_request: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts to completion; outputs come back in input order.
@@ -273,7 +279,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
-        lora_request: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,

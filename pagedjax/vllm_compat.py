@@ -88,7 +88,6 @@ VLLM_KEYWORDS: dict[str, Keyword] = {
         '"auto" or "vllm"',
         "SamplingParams() defaults are vLLM's; the model's generation config sets none",
     ),
-    "enable_lora": Keyword(_one_of(False), "False", "no LoRA adapters yet"),
     "task": Keyword(_one_of("auto", "generate"), '"auto" or "generate"', "text generation"),
     "runner": Keyword(_one_of("auto", "generate"), '"auto" or "generate"', "text generation"),
     "limit_mm_per_prompt": Keyword(_one_of(None, {}), "None", "text models only"),

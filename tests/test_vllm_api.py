@@ -153,15 +153,18 @@ def test_logprobs_carry_decoded_tokens(llm):
             assert logprob.decoded_token == tokenizer.convert_ids_to_tokens(token)
 
 
-def test_lora_requests_are_refused_clearly(llm):
-    with pytest.raises(ValueError, match="LoRA"):
-        llm.generate("w5", GREEDY, lora_request=object())
+def test_lora_requests_need_enable_lora(llm):
+    from pagedjax.lora.request import LoRARequest
+
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate("w5", GREEDY, lora_request=LoRARequest("a", 1, "/nowhere"))
 
 
 # Where vLLM users import each name from (vLLM's own modules), and pagedjax's twin module.
 VLLM_IMPORTS = {
     "vllm": ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-             "TextPrompt", "TokensPrompt", "PromptType"],
+             "TextPrompt", "TokensPrompt", "PromptType", "LoRARequest"],
+    "vllm.lora.request": ["LoRARequest"],
     "vllm.entrypoints.llm": ["LLM"],
     "vllm.sampling_params": ["SamplingParams", "BeamSearchParams", "RequestOutputKind",
                              "StructuredOutputsParams"],

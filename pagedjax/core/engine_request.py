@@ -94,6 +94,11 @@ class EngineRequest(Request):
         # the parent computes them for the whole request.
         asked = params.prompt_logprobs is not None and parent is None
         self.num_prompt_logprobs = 1 if asked else 0
+        # Its LoRA adapter (`pagedjax/lora/`): the id, a key of its prefix-cache blocks, and
+        # the request naming it; None for the base model.
+        self.lora_id: int | None = None
+        self.lora_request: Any = None
+        self.lora_adapter: Any = None  # read by the front end, until the engine registers it
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,8 +117,9 @@ class EngineRequest(Request):
         return [root, *root.children]
 
     def make_child(self, index: int) -> EngineRequest:
-        """Sibling `index` of this parent: its prompt and limits, a seed of its own."""
-        return EngineRequest(
+        """Sibling `index` of this parent: its prompt, limits, cache salt and adapter, a seed
+        of its own."""
+        child = EngineRequest(
             f"{self.request_id}#{index}",
             self.prompt_token_ids,
             self.params,
@@ -126,3 +132,6 @@ class EngineRequest(Request):
             sample_index=index,
             constraints=None if self.constraints is None else self.constraints.fork(),
         )
+        child.cache_salt = self.cache_salt  # the same prefix-cache keys: it shares blocks
+        child.lora_id, child.lora_request = self.lora_id, self.lora_request
+        return child

@@ -52,6 +52,7 @@ class ScheduledSequence:
     # Speculative decoding by a draft model: the last this many of token_ids are drafts the
     # draft model proposes on the device within the step (their ids here are stand-ins).
     num_model_drafts: int = 0
+    lora_id: int = 0  # its LoRA adapter, 0 for the base model
 
 
 @dataclass

@@ -127,13 +127,16 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         num_scheduler_steps: int = 1,
         placeholder_stride: int = 0,
+        max_loras: int = 0,
     ) -> None:
         """prefer_swap(num_computed_tokens): whether a victim with that much KV is swapped to
         the KV cache manager's host tier (if it has room) rather than recomputed; None:
         always recompute. speculative: propose draft tokens (None: no speculation).
         num_scheduler_steps: decode steps a step of only decodes may run; placeholder_stride:
-        the runner's row stride between a step's iterations (the padded max_num_seqs)."""
+        the runner's row stride between a step's iterations (the padded max_num_seqs);
+        max_loras: LoRA adapters the running requests may use at once (0: LoRA is off)."""
         self.kv = kv_cache_manager
+        self.max_loras = max_loras
         self.prefer_swap = prefer_swap
         self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -407,11 +410,14 @@ class Scheduler:
         if not self.waiting:  # the steady state: no walk over the running requests
             return
         slots_used = sum(_sequence_slots(r) for r in self.running)
+        # LoRA: at most max_loras adapters among the running requests (one slot each).
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else set()
         index = 0
         while index < len(self.waiting) and budget > 0:
             request = self.waiting[index]
-            if request.held:
-                index += 1
+            lora = request.lora_id
+            if request.held or (lora and lora not in loras and len(loras) >= self.max_loras):
+                index += 1  # an adapter past the slots waits for one to be free
                 continue
             room = slots_used + _sequence_slots(request) <= self.max_num_seqs
             num_new = self._allocate_admission(request, budget) if room else None
@@ -430,6 +436,8 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
             slots_used += _sequence_slots(request)
+            if lora:
+                loras.add(lora)
 
     def _allocate_admission(self, request: EngineRequest, budget: int) -> int | None:
         """Blocks for a waiting request's first chunk, from the prefix cache where it hits, or
@@ -484,6 +492,8 @@ class Scheduler:
             self._add_draft_rows(out, index, request, tokens, drafts)
             return
         seq = ScheduledSequence(tokens, start, request.request_id, *self.kv.table_update(request))
+        if request.lora_id:
+            seq.lora_id = request.lora_id
         out.seqs.append(seq)
         if request.num_prompt_logprobs and request.skip_prefix_cache:
             self._ask_prompt_logprobs(out, request, seq)
@@ -545,6 +555,7 @@ class Scheduler:
         table = self.kv.table_update(request)
         seq = ScheduledSequence(tokens + drafts, start, request.request_id, *table)
         seq.num_model_drafts = k if on_device else 0
+        seq.lora_id = request.lora_id or 0
         out.seqs.append(seq)
         request.num_drafts_in_flight = k
         out.spec_rows[len(out.rows)] = k

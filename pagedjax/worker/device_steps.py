@@ -34,11 +34,25 @@ def model_step(
     axis_name,
     attention_fn,
 ):
-    """Copy-on-write copies, then the forward: per shard under tensor parallelism."""
+    """Copy-on-write copies, then the forward: per shard under tensor parallelism. With LoRA,
+    params["lora"] holds the adapters' slots and each token's slot (`ModelRunner`)."""
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
+    lora_slots = None
+    if "lora" in params:
+        lora_slots = params["lora"]["slots"]
+        params = {**params, "lora": params["lora"]["weights"]}
     return forward_logits(
-        params, config, token_ids, positions, kv_cache, metadata, rows, attention_fn, axis_name
+        params,
+        config,
+        token_ids,
+        positions,
+        kv_cache,
+        metadata,
+        rows,
+        attention_fn,
+        axis_name,
+        lora_slots,
     )
 
 

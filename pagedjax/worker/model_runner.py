@@ -65,6 +65,7 @@ from pagedjax.worker.draft_model import (
     verify_index,
 )
 from pagedjax.worker.host_kv import HostKV
+from pagedjax.worker.lora_slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,9 @@ class ModelRunner:
         elif device is not None:
             self._pool_sharding = jax.sharding.SingleDeviceSharding(device)
         self.kv_cache = self._allocate(num_blocks)
+        # LoRA adapters' slots and host cache (`lora_slots.py`), None when LoRA is off.
+        self.lora = self._lora_slots(config, model_config, params["final_norm"].dtype)
+        self._lora_params: Params | None = None  # a step of several decode steps' weights
         self.draft = draft
         self.draft_cache = self._allocate(num_blocks, draft.kv_spec) if draft else None
         self.host_kv: HostKV | None = None
@@ -336,6 +340,31 @@ class ModelRunner:
             if spec.disable_by_batch_size is not None:
                 most = min(most, spec.disable_by_batch_size)
             self.chain_buckets = [1 << i for i in range(next_power_of_2(most).bit_length())]
+
+    def _lora_slots(
+        self, config: EngineConfig, model_config: ModelConfig, dtype: jnp.dtype
+    ) -> LoRASlots | None:
+        if not config.enable_lora:
+            return None
+        return LoRASlots(
+            model_config,
+            config.max_loras,
+            config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras,
+            dtype,  # the model's activations'
+            place=lambda tree: jax.tree.map(self._place, tree),
+        )
+
+    def _step_params(self, seqs: Sequence[ScheduledSequence], num_tokens: int) -> Params:
+        """The weights a step runs with: with LoRA on, the adapters' slots, loaded for these
+        sequences' adapters, and each of the step's `num_tokens` tokens' slot (0 past them)."""
+        if self.lora is None:
+            return self.params
+        slot_of = self.lora.activate(s.lora_id for s in seqs)
+        lengths = [len(s.token_ids) for s in seqs]
+        slots = np.zeros(num_tokens, np.int32)
+        slots[: sum(lengths)] = np.repeat([slot_of[s.lora_id] for s in seqs], lengths)
+        return {**self.params, "lora": {"weights": self.lora.weights, "slots": slots}}
 
     def _allocate(self, num_blocks: int, spec: KVCacheSpec | None = None) -> KVCache:
         """A zeroed pool (the target's, or `spec`'s), created where it lives (split by KV head
@@ -643,7 +672,7 @@ class ModelRunner:
                 tokens, positions, metadata, fill_copies, sources, sampled, decode_only
             )
         logits, self.kv_cache = self._forward(
-            self.params,
+            self._step_params(seqs, len(tokens)),
             tokens,
             positions,
             self.kv_cache,
@@ -691,6 +720,7 @@ class ModelRunner:
         tokens, positions, metadata, r_pad, copies, sources, _ = self.prepare(
             seqs, len(rows), block_copies
         )
+        self._lora_params = self._step_params(seqs, len(tokens))
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         batch = self._batch_sampling(rows, r_pad)
@@ -721,7 +751,9 @@ class ModelRunner:
         keyword left to its default would be another compilation)."""
         tokens, sources, previous, positions, metadata, copies, limits = inputs
         rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
-        args = (self.params, tokens, sources, previous, positions, self.kv_cache, metadata)
+        params = self._lora_params or self._step_params((), len(tokens))
+        self._lora_params = None
+        args = (params, tokens, sources, previous, positions, self.kv_cache, metadata)
         args += (rows, copies, limits, meta)
         options = dict(
             config=self.model_config,
@@ -925,7 +957,7 @@ class ModelRunner:
         )
         zeros = np.zeros(t_pad, np.int32)
         return (
-            self.params,
+            self._step_params((), t_pad),
             zeros,
             zeros,
             self.kv_cache,

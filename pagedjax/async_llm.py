@@ -26,6 +26,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest
 from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, EngineDeadError, QueueFullError
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -124,8 +125,10 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields the request's outputs as its `output_kind` asks, the last one finished.
+        """Yields the request's outputs as its `output_kind` asks, the last one finished
+        (lora_request: its LoRA adapter, as `LLMEngine.add_request`).
 
         Raises before any output: a ValueError (`InvalidRequestError`) for bad input,
         `QueueFullError` at the waiting limit, `EngineDeadError` if the loop stopped.
@@ -135,7 +138,7 @@ class AsyncLLM:
         if request_id is None:
             raise ValueError("generate needs a request_id")
         request, prompt_text = self.engine.process_request(
-            request_id, prompt, sampling_params, priority
+            request_id, prompt, sampling_params, priority, lora_request=lora_request
         )
         with self._lock:
             if request_id in self._active:
@@ -193,6 +196,20 @@ class AsyncLLM:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call(lambda: self.engine.wake_up(tags))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Registers a LoRA adapter between steps (`LLMEngine.add_lora`)."""
+        await self._call(lambda: self.engine.add_lora(lora_request) and None)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter between steps; False if unknown (`LLMEngine.remove_lora`)."""
+        removed: list[bool] = []
+        await self._call(lambda: removed.append(self.engine.remove_lora(lora_id)))
+        return removed[0]
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     async def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

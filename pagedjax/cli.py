@@ -255,8 +255,24 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         ("--attention-backend", str),
         ("--scheduling-policy", str),
         ("--seed", int),
+        ("--max-loras", int),
+        ("--max-lora-rank", int),
+        ("--max-cpu-loras", int),
     ):
         engine.add_argument(flag, type=kind, default=None)
+    engine.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters over the model (--lora-modules, /v1/load_lora_adapter)",
+    )
+    engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT adapter directories served under these model names (with --enable-lora)",
+    )
     engine.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",

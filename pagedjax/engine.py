@@ -19,7 +19,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.llama import Params
 from models.loader import load_tokenizer
-from models.lora import LoRAAdapter, LoRAError, check_adapter, load_peft_adapter
+from models.peft import LoRAAdapter, LoRAError, check_adapter, load_peft_adapter
 from models.training import DenseKernels
 from pagedjax import distributed
 from pagedjax.config import EngineConfig
@@ -75,6 +75,7 @@ class LLMEngine:
         else:
             config = self._start_core(config, model_config, params)
         self.config = config
+        self.loras: dict[int, LoRARequest] = {}  # the LoRA adapters requests may name, by id
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.constraints = ConstraintBuilder(self.tokenizer, self.model_config.vocab_size)
@@ -202,8 +203,8 @@ class LLMEngine:
         return request, prompt_text
 
     def _adapter(self, lora_request: LoRARequest) -> LoRAAdapter | None:
-        """The adapter a request names, read and checked if the engine does not hold it
-        (None if it does); InvalidRequestError saying what is wrong."""
+        """The adapter a request names, read and checked the first time the engine sees it
+        (None after that); InvalidRequestError saying what is wrong."""
         if not self.config.enable_lora:
             raise InvalidRequestError("lora_request needs an engine with enable_lora=True")
         if not isinstance(lora_request, LoRARequest):
@@ -211,12 +212,13 @@ class LLMEngine:
                 f"lora_request must be a pagedjax.lora.request.LoRARequest, got "
                 f"{type(lora_request).__name__}"
             )
-        if self.core_process is not None:
-            raise InvalidRequestError(
-                "LoRA adapters need the engine core in this process for now (core_process=False)"
-            )
-        slots = self.cores[0].worker.runner.lora
-        if slots.known(lora_request.lora_int_id):
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known.lora_name != lora_request.lora_name:
+                raise InvalidRequestError(
+                    f"lora_int_id {lora_request.lora_int_id} is adapter {known.lora_name!r}: "
+                    f"give {lora_request.lora_name!r} an id of its own"
+                )
             return None
         try:
             adapter = load_peft_adapter(lora_request.lora_path)
@@ -225,33 +227,43 @@ class LLMEngine:
             raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: {error}") from None
         return adapter
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Loads an adapter into the host cache before any request names it (vLLM's)."""
-        adapter = self._adapter(lora_request)
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Registers an adapter before any request names it (vLLM's), read from its path, or
+        the given one (an adapter held in memory); the same id again replaces its weights."""
+        if adapter is None:
+            adapter = self._adapter(lora_request)
+            if adapter is None:
+                return True  # known already
+        elif self.core_process is not None:
+            raise InvalidRequestError(
+                "an adapter from memory needs the engine core in this process (core_process=False)"
+            )
         for core in self.cores:
             core.worker.runner.lora.add(lora_request, adapter)
+        self.loras[lora_request.lora_int_id] = lora_request
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forgets an adapter no unfinished request uses; False if unknown."""
+        """Forgets an adapter no unfinished request uses; False if unknown. With the engine
+        core in its own process, its copy leaves the core's caches as others fill them."""
+        if lora_id not in self.loras:
+            return False
         requests = [r for core in self.cores for r in core.scheduler.requests.values()]
         if any(r.lora_id == lora_id for r in requests):
             raise InvalidRequestError(f"LoRA adapter {lora_id} is in use by unfinished requests")
-        return all([core.worker.runner.lora.remove(lora_id) for core in self.cores])
+        for core in self.cores:
+            core.worker.runner.lora.remove(lora_id)
+        del self.loras[lora_id]
+        return True
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters the engine holds."""
-        if not self.config.enable_lora or not self.cores:
-            return set()
-        return {r.lora_int_id for r in self.cores[0].worker.runner.lora.list_loras()}
+        return set(self.loras)
 
     def add_processed_request(self, request: EngineRequest, prompt_text: str | None) -> None:
         """Queues a request from `process_request`; its id must not be in use."""
-        adapter = request.lora_adapter
-        if adapter is not None:  # read by process_request: registered here, between steps
-            for core in self.cores:
-                core.worker.runner.lora.add(request.lora_request, adapter)
-            request.lora_adapter = None
+        if request.lora_request is not None:  # the core registers a new one (EngineCore)
+            self.loras.setdefault(request.lora_id, request.lora_request)
         self.output_processor.add_request(
             request.request_id,
             prompt_text,

@@ -83,6 +83,13 @@ class EngineCore:
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)
 
     def add_request(self, request: EngineRequest) -> None:
+        if request.lora_id:
+            lora = self.worker.runner.lora
+            if request.lora_adapter is not None or not lora.known(request.lora_id):
+                # A new adapter the front end read (or another replica's): registered here,
+                # between steps; read from its path if not given.
+                lora.add(request.lora_request, request.lora_adapter)
+            request.lora_adapter = None
         self.scheduler.add_request(request)
 
     def abort_requests(self, group_ids: list[str]) -> None:

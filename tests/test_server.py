@@ -23,6 +23,8 @@ import pytest
 
 from pagedjax.llm import LLM
 from pagedjax.sampling_params import SamplingParams
+from tests.test_engine import hf_greedy
+from tests.test_lora import PROJECTIONS, merged_model, write_peft_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-chat"
@@ -109,10 +111,25 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    """(the open server, the one with an API key and a one-request queue), started together."""
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two PEFT adapters of the tiny Llama: "small" (attention, rank 4) is served from the
+    start, "full" (every projection, rank 8) loaded while serving."""
+    hf_model = tiny_model_dir("llama")[1]
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "small": write_peft_adapter(root / "small", hf_model, ["q_proj", "v_proj"], 4, 8, 1),
+        "full": write_peft_adapter(root / "full", hf_model, list(PROJECTIONS), 8, 16, 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, adapters, tmp_path_factory):
+    """(the open server, the one with an API key and a one-request queue), started together.
+    The open one serves LoRA adapters too ("small" from the start)."""
     logs = tmp_path_factory.mktemp("logs")
-    open_server = Server(model_dir, logs / "open.log")
+    lora = ["--enable-lora", "--max-loras=2", "--max-lora-rank=8"]
+    lora += ["--lora-modules", f"small={adapters['small']}"]
+    open_server = Server(model_dir, logs / "open.log", *lora)
     # Long requests (max_model_len 4096): they run long enough to fill the queue and to be
     # dropped midway.
     guarded = Server(
@@ -531,7 +548,7 @@ def test_a_dropped_unstreamed_request_is_aborted(guarded):
 
 def test_models_health_version_metrics_tokenize_detokenize(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "small"]
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/version").json()["version"]
@@ -570,6 +587,44 @@ def test_models_health_version_metrics_tokenize_detokenize(server, client):
     assert json.loads(httpx.get(f"{server.url}/v1/models").text)["object"] == "list"
 
 
+# ------------------------------------------------------------------------ LoRA adapters
+
+
+def test_lora_adapters_are_models_loaded_and_unloaded_while_serving(
+    server, client, adapters, tiny_model_dir
+):
+    """Each adapter answers with transformers' greedy tokens of its merged weights, the base
+    model with its own; an unknown adapter is a 404; load and unload change the list."""
+    hf_model = tiny_model_dir("llama")[1]
+    prompt = [5, 9, 14, 3]
+
+    def answer(model: str) -> list[int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=5, logprobs=0, **GREEDY
+        )
+        return [int(t.strip().removeprefix("w")) for t in out.choices[0].logprobs.tokens]
+
+    assert answer("small") == hf_greedy(merged_model(hf_model, adapters["small"]), prompt, 5)
+    assert answer(MODEL) == hf_greedy(hf_model, prompt, 5)
+    with pytest.raises(openai.NotFoundError, match="full"):
+        answer("full")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        load = {"lora_name": "full", "lora_path": str(adapters["full"])}
+        loaded = http.post("/v1/load_lora_adapter", json=load)
+        assert loaded.status_code == 200, loaded.text
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 400  # twice
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no"})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        assert [m.id for m in client.models.list().data] == [MODEL, "small", "full"]
+        assert answer("full") == hf_greedy(merged_model(hf_model, adapters["full"]), prompt, 5)
+        unload = {"lora_name": "full"}
+        assert http.post("/v1/unload_lora_adapter", json=unload).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json=unload).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        answer("full")
+    assert [m.id for m in client.models.list().data] == [MODEL, "small"]
+
+
 # ------------------------------------------------- a dying engine (in process, no model)
 
 
@@ -580,7 +635,7 @@ class _DyingEngine:
         from types import SimpleNamespace
 
         self.tokenizer = tokenizer
-        self.config = SimpleNamespace(max_model_len=96, model=None)
+        self.config = SimpleNamespace(max_model_len=96, model=None, enable_lora=False)
         self.model_config = SimpleNamespace(vocab_size=128)
         self.dead_error = RuntimeError("the step raised") if dead else None
 
@@ -591,7 +646,7 @@ class _DyingEngine:
     def stats(self) -> dict:
         return {"running": 0, "waiting": 0, "kv_blocks_used": 0}
 
-    async def generate(self, prompt, sampling_params, request_id, priority=0):
+    async def generate(self, prompt, sampling_params, request_id, priority=0, lora_request=None):
         from pagedjax.errors import EngineDeadError
         from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 

@@ -17,14 +17,8 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.lora import (
-    LoRAAdapter,
-    check_adapter,
-    empty_lora,
-    load_peft_adapter,
-    pack_adapter,
-    set_slot_jit,
-)
+from models.lora import empty_lora, set_slot_jit
+from models.peft import LoRAAdapter, check_adapter, load_peft_adapter, pack_adapter
 from pagedjax.errors import InvalidRequestError
 from pagedjax.lora.request import LoRARequest
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -34,15 +34,17 @@ from pagedjax.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     ServingError,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from pagedjax.entrypoints.openai.serving import engine_error
 from pagedjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedjax.entrypoints.openai.serving_models import ServingModels, parse_lora_modules
 from pagedjax.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -128,12 +130,18 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
 
 
 def build_app(
-    engine, served_model_name: str, api_key: str | None = None, *, owns_engine: bool = False
+    engine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    owns_engine: bool = False,
+    models: ServingModels | None = None,
 ) -> FastAPI:
     """The app over an `AsyncLLM` (or anything with its interface). With `api_key`, the
     /v1 endpoints want `Authorization: Bearer <api_key>`. With `owns_engine`, the app shuts
     the engine down when it stops (uvicorn re-raises SIGTERM after that, killing the process
-    before any code after `run` could)."""
+    before any code after `run` could). models: the base model and its LoRA adapters (by
+    default the base model alone)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,11 +153,14 @@ def build_app(
 
     app = FastAPI(title="pagedjax", version=_version(), lifespan=lifespan)
     metrics = ServerMetrics(engine.stats, served_model_name)
-    completions = OpenAIServingCompletion(engine, served_model_name, metrics)
-    chat = OpenAIServingChat(engine, served_model_name, metrics)
+    max_model_len: int = engine.config.max_model_len
+    if models is None:
+        root = str(engine.config.model or served_model_name)
+        models = ServingModels(engine, served_model_name, root, max_model_len)
+    completions = OpenAIServingCompletion(engine, models, metrics)
+    chat = OpenAIServingChat(engine, models, metrics)
     app.state.engine, app.state.metrics = engine, metrics
     tokenizer = engine.tokenizer
-    max_model_len: int = engine.config.max_model_len
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -175,9 +186,15 @@ def build_app(
 
     @v1.get("/models")
     async def list_models() -> ModelList:
-        root = engine.config.model or served_model_name
-        card = ModelCard(id=served_model_name, root=str(root), max_model_len=max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=models.cards())
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.load(body))
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.unload(body))
 
     app.include_router(v1)
 
@@ -258,6 +275,15 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+async def _load_lora_modules(models: ServingModels, specs: list[str]) -> None:
+    """`--lora-modules name=path ...`, each read and registered before the port opens."""
+    for name, path in parse_lora_modules(specs).items():
+        try:
+            await models.load(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        except ServingError as error:
+            raise SystemExit(f"pagedjax serve: --lora-modules {name}: {error.message}") from None
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Loads the engine, serves until interrupted, and shuts the engine down."""
     import uvicorn
@@ -288,7 +314,9 @@ def run_server(args: argparse.Namespace) -> int:
             seconds = core.engine_core.warmup()
             logger.info("compiled every step shape in %.1f s", seconds)
         name = args.served_model_name or default_model_name(args.model)
-        app = build_app(engine, name, api_key=args.api_key, owns_engine=True)
+        models = ServingModels(engine, name, str(args.model or name), config.max_model_len)
+        asyncio.run(_load_lora_modules(models, args.lora_modules or []))
+        app = build_app(engine, name, api_key=args.api_key, owns_engine=True, models=models)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         config = uvicorn.Config(
             app,

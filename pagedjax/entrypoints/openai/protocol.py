@@ -459,7 +459,18 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedjax"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

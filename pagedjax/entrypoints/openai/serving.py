@@ -13,8 +13,10 @@ from pagedjax.entrypoints.openai.protocol import (
     ServingError,
     UsageInfo,
 )
+from pagedjax.entrypoints.openai.serving_models import ServingModels
 from pagedjax.entrypoints.openai.streams import EmptyStreamError, Stream, first_outputs
 from pagedjax.errors import EngineDeadError, QueueFullError
+from pagedjax.lora.request import LoRARequest
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -108,19 +110,18 @@ class StreamTracker:
 class OpenAIServing:
     """Base of the completions and chat handlers: one per app, over one engine."""
 
-    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine, models: ServingModels, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        self.models = models
+        self.model_name = models.base_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.vocab_size: int = engine.model_config.vocab_size
         self.logprobs = LogprobsFormatter(self.tokenizer)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ServingError(
-                f"The model '{model}' does not exist", "model", 404, code="model_not_found"
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for an unknown one."""
+        return self.models.lookup(model)
 
     async def start(
         self,
@@ -128,6 +129,7 @@ class OpenAIServing:
         prompts: list[str | list[int]],
         params: SamplingParams,
         request_id: str,
+        lora: LoRARequest | None = None,
     ) -> tuple[list[Stream], list[RequestOutput]]:
         """One engine request per prompt, and each one's first output; an engine refusal is
         raised as a ServingError (naming the request's field at fault) with nothing left
@@ -137,7 +139,7 @@ class OpenAIServing:
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [
-            self.engine.generate(prompt, params, rid, request.priority)
+            self.engine.generate(prompt, params, rid, request.priority, lora_request=lora)
             for prompt, rid in zip(prompts, ids, strict=True)
         ]
         try:

@@ -47,11 +47,11 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or for `stream` the SSE lines to send; raises ServingError."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         params = request.to_sampling_params(None, self.vocab_size)
         prompt = self.chat_prompt(request.messages)
         request_id = random_id("chatcmpl")
-        streams, firsts = await self.start(request, [prompt], params, request_id)
+        streams, firsts = await self.start(request, [prompt], params, request_id, lora)
         if request.stream:
             return self._stream(request, request_id, streams, firsts)
         try:

@@ -30,10 +30,10 @@ DEFAULT_MAX_TOKENS = 16
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for `stream` the SSE lines to send; raises ServingError."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         params = request.to_sampling_params(DEFAULT_MAX_TOKENS, self.vocab_size)
         request_id = random_id("cmpl")
-        streams, firsts = await self.start(request, request.prompts, params, request_id)
+        streams, firsts = await self.start(request, request.prompts, params, request_id, lora)
         if request.stream:
             return self._stream(request, request_id, streams, firsts)
         try:

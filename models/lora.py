@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.peft import lora_shapes
+from models.errors import ModelLoadError
+from models.peft import LORA_TARGETS, lora_shapes, module_shapes
 
 
 def empty_lora(config: ModelConfig, max_loras: int, max_rank: int, dtype) -> dict:
@@ -57,3 +58,28 @@ def lora_delta(
     mine = slots[:, None] == jnp.arange(num_slots)[None, :]  # [T, S]
     shrink = jnp.where(mine[:, :, None], shrink, 0).reshape(x.shape[0], num_slots * width)
     return shrink @ b.reshape(num_slots * width, -1).astype(x.dtype)
+
+
+def merge_lora(params: dict, config: ModelConfig, arrays: dict, scale: float = 1.0) -> dict:
+    """The params with an adapter held as arrays (`models.peft.adapter_from_arrays`' format)
+    merged into their weights: W + scale * A^T B^T, differentiable in the arrays, so a training
+    loop runs the adapted model with `models.training`. Plain-array weights only."""
+    shapes = module_shapes(config)
+    places = {}  # module -> (its fused matmul, its first output column there)
+    for name, modules in LORA_TARGETS.items():
+        column = 0
+        for module in modules:
+            places[module] = (name, column)
+            column += shapes[module][1]
+    layers = dict(params["layers"])
+    for module, pair in arrays.items():
+        name, column = places[module]
+        weight = layers[name]
+        if not isinstance(weight, jax.Array):
+            raise ModelLoadError(
+                f"{name} is a {type(weight).__name__}: merging an adapter needs plain weights"
+            )
+        delta = scale * jnp.einsum("lrk,lnr->lkn", pair["lora_A"], pair["lora_B"])
+        end = column + shapes[module][1]
+        layers[name] = weight.at[:, :, column:end].add(delta.astype(weight.dtype))
+    return {**params, "layers": layers}

@@ -119,7 +119,31 @@ def load_peft_adapter(path: str | Path) -> LoRAAdapter:
     return LoRAAdapter(rank, scale, weights)
 
 
-def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def adapter_from_arrays(
+    arrays: Mapping[str, Mapping[str, np.ndarray]], scale: float = 1.0
+) -> LoRAAdapter:
+    """An adapter held in memory (what a LoRA training loop holds): module -> {"lora_A":
+    [L, r, K], "lora_B": [L, N, r]}, stacked over the layers in PEFT's orientation; LoRAError
+    for unknown modules or ranks that differ."""
+    weights, ranks = {}, set()
+    for module, pair in arrays.items():
+        if module not in MODULES or set(pair) != {"lora_A", "lora_B"}:
+            raise LoRAError(
+                f"{module!r}: an adapter from memory maps modules of {', '.join(MODULES)} to "
+                "{'lora_A': [L, r, K], 'lora_B': [L, N, r]}"
+            )
+        a, b = (np.asarray(pair[key], np.float32) for key in ("lora_A", "lora_B"))
+        if a.ndim != 3 or b.ndim != 3 or a.shape[:2] != (b.shape[0], b.shape[2]):
+            raise LoRAError(f"{module}: lora_A {a.shape} and lora_B {b.shape} do not pair")
+        ranks.add(a.shape[1])
+        for layer in range(a.shape[0]):
+            weights[(layer, module)] = (a[layer], b[layer])
+    if len(ranks) != 1:
+        raise LoRAError(f"an adapter has one rank: got {sorted(ranks) or 'no modules'}")
+    return LoRAAdapter(ranks.pop(), float(scale), weights)
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each module's (K, N) in the base model."""
     hidden, inter = config.hidden_size, config.intermediate_size
     return {
@@ -135,7 +159,7 @@ def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def lora_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[int, int, int]]:
     """Each fused matmul's (K, n R, N) in a slot."""
-    shapes = _module_shapes(config)
+    shapes = module_shapes(config)
     return {
         name: (
             shapes[modules[0]][0],
@@ -158,7 +182,7 @@ def check_adapter(adapter: LoRAAdapter, config: ModelConfig, max_rank: int) -> N
             "adapters on a mixture-of-experts model's MLP are not supported: target the "
             "attention projections only"
         )
-    shapes = _module_shapes(config)
+    shapes = module_shapes(config)
     for (layer, module), (a, b) in adapter.weights.items():
         k, n = shapes[module]
         if not 0 <= layer < config.num_layers or a.shape[1] != k or b.shape[0] != n:
@@ -173,7 +197,7 @@ def pack_adapter(
 ) -> dict[str, dict[str, np.ndarray]]:
     """The adapter in one slot's layout: name -> {"a": [L, K, n R], "b": [L, n R, N]},
     float32, the scale folded into B (check_adapter first)."""
-    shapes = _module_shapes(config)
+    shapes = module_shapes(config)
     packed = {}
     for name, (k, width, n) in lora_shapes(config, max_rank).items():
         a = np.zeros((config.num_layers, k, width), np.float32)

@@ -76,6 +76,7 @@ class LLMEngine:
             config = self._start_core(config, model_config, params)
         self.config = config
         self.loras: dict[int, LoRARequest] = {}  # the LoRA adapters requests may name, by id
+        self._lora_versions: dict[int, int] = {}  # adapters replaced in place: how often
         self.tokenizer = tokenizer if pending is None else pending.result()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.constraints = ConstraintBuilder(self.tokenizer, self.model_config.vocab_size)
@@ -200,6 +201,7 @@ class LLMEngine:
         if lora_request is not None:
             request.lora_request, request.lora_adapter = lora_request, self._adapter(lora_request)
             request.lora_id = lora_request.lora_int_id  # a key of its prefix-cache blocks too
+            request.lora_version = self._lora_versions.get(request.lora_id)
         return request, prompt_text
 
     def _adapter(self, lora_request: LoRARequest) -> LoRAAdapter | None:
@@ -238,6 +240,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 "an adapter from memory needs the engine core in this process (core_process=False)"
             )
+        else:
+            check_adapter(adapter, self.model_config, self.config.max_lora_rank)
+            lora_id = lora_request.lora_int_id
+            if lora_id in self.loras:  # new weights: blocks cached under the old ones never hit
+                self._check_unused(lora_id, "replaced")
+                self._lora_versions[lora_id] = self._lora_versions.get(lora_id, 0) + 1
         for core in self.cores:
             core.worker.runner.lora.add(lora_request, adapter)
         self.loras[lora_request.lora_int_id] = lora_request
@@ -248,13 +256,19 @@ class LLMEngine:
         core in its own process, its copy leaves the core's caches as others fill them."""
         if lora_id not in self.loras:
             return False
-        requests = [r for core in self.cores for r in core.scheduler.requests.values()]
-        if any(r.lora_id == lora_id for r in requests):
-            raise InvalidRequestError(f"LoRA adapter {lora_id} is in use by unfinished requests")
+        self._check_unused(lora_id, "removed")
         for core in self.cores:
             core.worker.runner.lora.remove(lora_id)
         del self.loras[lora_id]
         return True
+
+    def _check_unused(self, lora_id: int, change: str) -> None:
+        requests = [r for core in self.cores for r in core.scheduler.requests.values()]
+        if any(r.lora_id == lora_id for r in requests):
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_id} is in use by unfinished requests: it can be {change} "
+                "once they finish"
+            )
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters the engine holds."""

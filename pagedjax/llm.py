@@ -6,8 +6,11 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from models.llama import Params
 from models.loader import load_model_config
+from models.peft import adapter_from_arrays
 from models.training import DenseKernels
 from pagedjax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedjax.config import EngineConfig
@@ -128,6 +131,23 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams (vLLM's defaults)."""
         return SamplingParams()
+
+    def add_lora(
+        self, name: str, arrays: Mapping[str, Mapping[str, object]], scale: float = 1.0
+    ) -> LoRARequest:
+        """A LoRA adapter from memory, as a training loop holds it: module name (q_proj,
+        k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) -> {"lora_A": [L, r, K],
+        "lora_B": [L, N, r]}, applied as W + scale * A^T B^T. Returns the request to generate
+        with; the same name again replaces the weights in place (nothing recompiles; blocks
+        cached under the old weights are not reused). Needs enable_lora."""
+        adapter = adapter_from_arrays(
+            {m: {k: np.asarray(v) for k, v in pair.items()} for m, pair in arrays.items()}, scale
+        )
+        engine = self.llm_engine
+        known = next((r for r in engine.loras.values() if r.lora_name == name), None)
+        request = known or LoRARequest(name, max(engine.loras, default=0) + 1)
+        engine.add_lora(request, adapter)
+        return request
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block (its blocks stay free for reuse); returns False,

@@ -1,7 +1,7 @@
 """The examples in examples/, run in-process in their small mode on one tiny model, with their
 results checked: the custom attention against the oracle and the engine, the block-size sweep's
 waste ordering and its plot, the perplexity against transformers, the RL loop's reward and
-compilations."""
+compilations, the LoRA fine-tune's answers and its adapter replaced in place."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def examples() -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(EXAMPLES))  # they import _tiny, as when run as scripts
         modules["_tiny"] = importlib.import_module("_tiny")
-        for name in ("custom_attention", "block_size_sweep", "score", "rl_loop"):
+        for name in ("custom_attention", "block_size_sweep", "score", "rl_loop", "lora_finetune"):
             spec = importlib.util.spec_from_file_location(
                 f"example_{name}", EXAMPLES / f"{name}.py"
             )
@@ -91,4 +91,14 @@ def test_rl_loop_raises_the_reward_and_compiles_nothing_after_the_first_round(ex
     result = examples["rl_loop"].main(["--small", "--model", tiny_model, "--rounds", "6"])
     rewards = result["rewards"]
     assert max(rewards[-2:]) > 2 * rewards[0] + 0.02, rewards
+    assert result["new_compilations"] == 0
+
+
+def test_lora_finetune_serves_the_trained_adapter_from_memory(examples, tiny_model):
+    """The adapter learns the answer, the engine's slot gives the merged weights' tokens
+    beside base rows, and new weights replace it in place with nothing compiled."""
+    result = examples["lora_finetune"].main(["--small", "--model", tiny_model])
+    assert result["losses"][-1] < 0.2 * result["losses"][0]
+    assert result["answered"] == 3 and result["base_answered"] == 0
+    assert result["merged_equal"]
     assert result["new_compilations"] == 0

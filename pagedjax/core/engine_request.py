@@ -97,6 +97,7 @@ class EngineRequest(Request):
         # Its LoRA adapter (`pagedjax/lora/`): the id, a key of its prefix-cache blocks, and
         # the request naming it; None for the base model.
         self.lora_id: int | None = None
+        self.lora_version: int | None = None  # its weights' version, once replaced in place
         self.lora_request: Any = None
         self.lora_adapter: Any = None  # read by the front end, until the engine registers it
 
@@ -134,4 +135,5 @@ class EngineRequest(Request):
         )
         child.cache_salt = self.cache_salt  # the same prefix-cache keys: it shares blocks
         child.lora_id, child.lora_request = self.lora_id, self.lora_request
+        child.lora_version = self.lora_version
         return child

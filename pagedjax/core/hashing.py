@@ -6,8 +6,9 @@ keys). Chaining makes the key depend on the whole prefix, so equal keys mean equ
 tokens). The byte encoding is fixed-width and explicit, never Python's `hash()` or `pickle`,
 so keys are stable across processes, machines and Python versions.
 
-Extra keys carry request inputs that change the KV content of the same tokens: a cache salt
-today, a LoRA adapter id later. To add one, add its attribute name to `EXTRA_KEY_FIELDS`.
+Extra keys carry request inputs that change the KV content of the same tokens: a cache salt,
+a LoRA adapter's id and the version of its weights (an adapter replaced in place is another).
+To add one, add its attribute name to `EXTRA_KEY_FIELDS`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = hashlib.sha256(b"pagedjax/kv-block-hash/v1").digest()
 """Parent key of a request's first block (a fixed seed, so the first block chains too)."""
 
-EXTRA_KEY_FIELDS: tuple[str, ...] = ("cache_salt", "lora_id")
+EXTRA_KEY_FIELDS: tuple[str, ...] = ("cache_salt", "lora_id", "lora_version")
 """Request attributes that, when present and not None, enter every block key."""
 
 _BLOCK_LEN = struct.Struct("<I")

@@ -52,7 +52,7 @@ from kernels_pallas.kv_groups import kv_cache_groups
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention
 from models.config import ModelConfig
-from models.lora import lora_delta
+from models.lora import lora_delta, lora_tiles
 from models.moe import MOE_WEIGHTS, moe_mlp, swiglu
 from models.weights import LinearWeight, layer_matmul
 
@@ -60,8 +60,8 @@ Params = dict
 AttentionFn = Callable[..., jax.Array]
 # Whatever a layer's attention carries from layer to layer (the paged forward: the KV pool).
 AttendState = Any
-# (each token's adapter slot [T], params["lora"]): see `models/lora.py`.
-LoRAInputs = tuple[jax.Array, dict]
+# (each token's adapter slot [T], params["lora"], its tiles or None): see `models/lora.py`.
+LoRAInputs = tuple[jax.Array, dict, Any]
 # (q, k, v, layer, sliding_window, sinks, state) -> (out, state): see `decoder_layers`.
 Attend = Callable[
     [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, AttendState],
@@ -194,8 +194,17 @@ def _matmul(
     out = layer_matmul(x, weights[name], layer)
     if lora is None:
         return out
-    slots, adapters = lora
-    return out + lora_delta(x, adapters[name], layer, slots)
+    slots, adapters, tiles = lora
+    return out + lora_delta(x, adapters[name], layer, slots, tiles)
+
+
+def _lora_inputs(adapters: dict, slots: jax.Array) -> LoRAInputs:
+    """The layers' LoRA inputs: with the slots as a platform's grouped weights (the GPU's
+    kernel), the step's tokens sorted by slot once for every layer."""
+    a = adapters["wqkv"]["a"]
+    if isinstance(a, jax.Array):
+        return slots, adapters, None
+    return slots, adapters, lora_tiles(slots, a.shape[1])
 
 
 def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
@@ -264,7 +273,7 @@ def decoder_layers(
     indexed = MATMUL_WEIGHTS + MOE_WEIGHTS
     weights = {k: v for k, v in params["layers"].items() if k in indexed}
     scanned = {k: v for k, v in params["layers"].items() if k not in indexed}
-    lora = None if lora_slots is None else (lora_slots, params["lora"])
+    lora = None if lora_slots is None else _lora_inputs(params["lora"], lora_slots)
 
     def layer_step(carry, per_layer):
         x, state = carry

@@ -143,6 +143,32 @@ def adapter_from_arrays(
     return LoRAAdapter(ranks.pop(), float(scale), weights)
 
 
+def save_peft_adapter(path: str | Path, adapter: LoRAAdapter) -> Path:
+    """Writes an adapter as PEFT does (adapter_config.json + adapter_model.safetensors, a
+    Llama's module names), e.g. one trained in memory; `load_peft_adapter` reads it back.
+    The scale is kept as lora_alpha = scale * rank."""
+    from safetensors.numpy import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        block = "self_attn" if module in _ATTENTION else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": adapter.rank,
+        "lora_alpha": adapter.scale * adapter.rank,
+        "target_modules": sorted(adapter.modules),
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each module's (K, N) in the base model."""
     hidden, inter = config.hidden_size, config.intermediate_size

@@ -112,9 +112,20 @@ class TensorParallel:
                 return PartitionSpec()
             return PartitionSpec(*([None] * axis), self.axis)
 
-        specs = {k: spec(k, v) for k, v in params.items() if k != "layers"}
+        specs = {k: spec(k, v) for k, v in params.items() if k not in ("layers", "lora")}
         specs["layers"] = {k: spec(k, v) for k, v in params["layers"].items()}
+        if "lora" in params:  # a step's adapters and each token's slot (`models/lora.py`)
+            weights = self.lora_specs(params["lora"]["weights"])
+            specs["lora"] = {"weights": weights, "slots": PartitionSpec()}
         return specs
+
+    def lora_specs(self, slots: dict) -> dict:
+        """LoRA slots' specs: a column-parallel matmul's B split as its output columns are, a
+        row-parallel one's A as its input rows are (the shard's partial sums then add up);
+        the other factor whole on every shard."""
+        split = {"a": PartitionSpec(None, None, self.axis), "b": PartitionSpec()}
+        columns = {"a": PartitionSpec(), "b": PartitionSpec(None, None, None, self.axis)}
+        return {name: columns if _SPLIT_AXIS[name] == 2 else split for name in slots}
 
     def pool_spec(self, cache: KVCache) -> KVCache:
         """The pool's specs: K, V and their scales split by KV head (axis 1)."""
@@ -189,6 +200,35 @@ def shard_major(parts: list[np.ndarray], size: int, axis: int, xp=np) -> np.ndar
     return xp.concatenate([g for shard in zip(*groups, strict=True) for g in shard], axis=axis)
 
 
+def qkv_columns(w, config: ModelConfig, size: int, repeat: int, xp=np):
+    """Fused q/k/v output columns (the last axis) in the tensor-parallel layout: KV heads
+    repeated `repeat` times, then each shard's q, k and v columns side by side."""
+    Q, KV = config.q_size, config.kv_size
+    q, k, v = xp.split(xp.asarray(w), [Q, Q + KV], axis=-1)
+    if repeat > 1:  # KV head j's copies j*r .. j*r + r - 1 serve its query heads
+        shape = k.shape[:-1] + (config.num_kv_heads, config.head_dim)
+        k, v = (
+            xp.repeat(x.reshape(shape), repeat, axis=-2).reshape(*k.shape[:-1], KV * repeat)
+            for x in (k, v)
+        )
+    return shard_major([q, k, v], size, w.ndim - 1, xp)
+
+
+def gate_up_columns(w, size: int, xp=np):
+    """Fused [gate | up] output columns (the last axis) as each shard's [gate | up]."""
+    return shard_major(xp.split(xp.asarray(w), 2, axis=-1), size, w.ndim - 1, xp)
+
+
+def layout_lora(packed: dict, config: ModelConfig, size: int) -> dict:
+    """A packed adapter (`models.peft.pack_adapter`) in the tensor-parallel layout: the B of
+    the column-parallel matmuls has its output columns arranged as their weights' are."""
+    _, repeat = tensor_parallel_config(config, size)
+    out = dict(packed)
+    out["wqkv"] = {**packed["wqkv"], "b": qkv_columns(packed["wqkv"]["b"], config, size, repeat)}
+    out["w_gate_up"] = {**packed["w_gate_up"], "b": gate_up_columns(packed["w_gate_up"]["b"], size)}
+    return out
+
+
 def layout_params(params: Params, config: ModelConfig, size: int) -> Params:
     """Arrays in the unsharded layout -> arrays in the tensor-parallel layout (the same shapes
     but for replicated KV heads and the padded vocabulary); see the module doc. Host arrays
@@ -201,27 +241,14 @@ def layout_params(params: Params, config: ModelConfig, size: int) -> Params:
                 f"{name} is a {type(weight).__name__}; tensor parallelism splits float "
                 "weights only (load the model unquantized)"
             )
-    Q, KV = config.q_size, config.kv_size
     out = {k: v for k, v in params.items() if k != "layers"}
     layers = dict(params["layers"])
-
-    def qkv(w: np.ndarray, axis: int) -> np.ndarray:
-        q, k, v = xp.split(xp.asarray(w), [Q, Q + KV], axis=axis)
-        if repeat > 1:  # KV head j's copies j*r .. j*r + r - 1 serve its query heads
-            shape = k.shape[:axis] + (config.num_kv_heads, config.head_dim)
-            k, v = (
-                xp.repeat(x.reshape(shape), repeat, axis=axis).reshape(*k.shape[:axis], KV * repeat)
-                for x in (k, v)
-            )
-        return shard_major([q, k, v], size, axis, xp)
-
-    layers["wqkv"] = qkv(layers["wqkv"], 2)
+    layers["wqkv"] = qkv_columns(layers["wqkv"], config, size, repeat, xp)
     if "bqkv" in layers:
-        layers["bqkv"] = qkv(layers["bqkv"], 1)
-    for name in ("w_gate_up", "shared_gate_up"):  # each shard's [gate | up] columns
+        layers["bqkv"] = qkv_columns(layers["bqkv"], config, size, repeat, xp)
+    for name in ("w_gate_up", "shared_gate_up"):
         if name in layers:
-            gate_up = xp.split(xp.asarray(layers[name]), 2, axis=2)
-            layers[name] = shard_major(gate_up, size, 2, xp)
+            layers[name] = gate_up_columns(layers[name], size, xp)
     out["layers"] = layers
     pad = tp_config.vocab_size - config.vocab_size
     if pad and "embed" in out:

@@ -134,11 +134,6 @@ class EngineConfig:
             f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
         )
         check(
-            not (self.enable_lora and self.tensor_parallel_size > 1),
-            "LoRA adapters run on one device per engine for now: use tensor_parallel_size=1 "
-            "(data_parallel_size replicates)",
-        )
-        check(
             not (self.enable_lora and drafting),
             'LoRA adapters with a draft model are not supported: use method "ngram"',
         )

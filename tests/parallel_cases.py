@@ -4,7 +4,7 @@ JAX fixes its device count when it starts, so the tests cannot make 8 CPU device
 pytest process: this script sets XLA_FLAGS before importing JAX, runs the cases and prints
 one JSON line of results for the tests to check.
 
-    python tests/parallel_cases.py engines MODEL_DIR WINDOW_MODEL_DIR MOE_MODEL_DIR
+    python tests/parallel_cases.py engines MODEL_DIR WINDOW_MODEL_DIR MOE_MODEL_DIR ADAPTER...
     python tests/parallel_cases.py process MODEL_DIR COORDINATOR NUM_PROCESSES PROCESS_ID
 """
 
@@ -204,6 +204,26 @@ def jax_devices(tree) -> set:
     return {d for leaf in jax.tree.leaves(tree) for d in leaf.devices()}
 
 
+def lora_case(model_dir: str, adapters: list[str], tp: int) -> dict:
+    """Greedy tokens of a batch mixing base rows and each adapter's (their A and B split as
+    their weights are), at tensor parallelism tp; and of the same prompts without adapters."""
+    from pagedjax import LLM
+    from pagedjax.lora.request import LoRARequest
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, enable_lora=True, max_loras=2,
+              max_lora_rank=8, **SMALL_POOL)  # fmt: skip
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    chosen = [loras[i % len(loras)] for i in range(len(prompts()))]
+    greedy = case_params()[0]
+    batch = [{"prompt_token_ids": p} for p in prompts()]
+    outputs = llm.generate(batch, greedy, use_tqdm=False, lora_request=chosen)
+    base = llm.generate(batch, greedy, use_tqdm=False)
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "base": [o.outputs[0].token_ids for o in base],
+    }
+
+
 def async_case(model_dir: str) -> list[list[int]]:
     """AsyncLLM over two data-parallel replicas: concurrent requests, greedy tokens."""
     import asyncio
@@ -231,7 +251,7 @@ def async_case(model_dir: str) -> list[list[int]]:
 def main() -> None:
     mode = sys.argv[1]
     if mode == "engines":
-        model_dir, window_dir, moe_dir = sys.argv[2:5]
+        model_dir, window_dir, moe_dir, *adapters = sys.argv[2:]
         results = {
             f"llama/{tp}x{dp}": engine_case(model_dir, tp, dp)
             for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))
@@ -244,6 +264,8 @@ def main() -> None:
         results["async/1x2"] = async_case(model_dir)
         results["draft/1x2"] = draft_case(model_dir)
         results["experts"] = expert_parallel_case(moe_dir)
+        for tp in (1, 4):  # 4 shards: the 2 KV heads repeated, as their B columns are
+            results[f"lora/{tp}x1"] = lora_case(model_dir, adapters, tp)
     else:
         from pagedjax import LLM
 

@@ -178,3 +178,60 @@ def test_kernel_lowers_for_cuda(dtype):
     assert len(triton_call_targets(lowered)) == 1
     for kernel_ir in triton_kernels(lowered):
         assert triton_ir_text(kernel_ir).count("tt.dot") == 1
+
+
+# ------------------------------------------------------------- LoRA: the same kernel, per slot
+
+
+def lora_case(num_tokens: int = 37, max_loras: int = 3, k: int = 64, width: int = 32, n: int = 96):
+    """Two layers of slots {"a": [2, S, K, nR], "b": [2, S, nR, N]}, tokens of every slot and
+    of the base model (slot 0)."""
+    rng = np.random.default_rng(5)
+    slots = {
+        "a": jnp.asarray(rng.normal(0, 0.3, (2, max_loras, k, width)), jnp.float32),
+        "b": jnp.asarray(rng.normal(0, 0.3, (2, max_loras, width, n)), jnp.float32),
+    }
+    token_slots = jnp.asarray(rng.integers(0, max_loras + 1, num_tokens), jnp.int32)
+    x = jnp.asarray(rng.normal(0, 1, (num_tokens, k)), jnp.float32)
+    return slots, token_slots, x
+
+
+def test_lora_delta_by_slot_and_by_the_grouped_kernel_match_each_token_s_own_product():
+    from models.lora import lora_delta, lora_tiles
+
+    slots, token_slots, x = lora_case()
+    for layer in (0, 1):
+        a, b = np.asarray(slots["a"][layer]), np.asarray(slots["b"][layer])
+        want = np.stack([
+            np.asarray(x[t]) @ a[s - 1] @ b[s - 1] if s else np.zeros(b.shape[-1])
+            for t, s in enumerate(np.asarray(token_slots))
+        ])  # fmt: skip
+        one_hot = lora_delta(x, slots, jnp.int32(layer), token_slots)
+        kernel = {key: PallasExperts(w, interpret=INTERPRET) for key, w in slots.items()}
+        tiles = lora_tiles(token_slots, slots["a"].shape[1])
+        grouped = lora_delta(x, kernel, jnp.int32(layer), token_slots, tiles)
+        np.testing.assert_allclose(np.asarray(one_hot), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(grouped), want, rtol=1e-4, atol=1e-4)
+        assert not np.asarray(grouped)[np.asarray(token_slots) == 0].any()
+
+
+def test_lora_delta_through_the_kernel_lowers_for_cuda():
+    """The shrink and the expand: two Triton kernels of one dot each, in one step."""
+    from models.lora import lora_delta, lora_tiles
+
+    def delta(x, a, b, token_slots):
+        kernel = {"a": PallasExperts(a), "b": PallasExperts(b)}
+        tiles = lora_tiles(token_slots, a.shape[1])
+        return lora_delta(x, kernel, jnp.int32(1), token_slots, tiles)
+
+    args = (
+        jax.ShapeDtypeStruct((256, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((30, 4, 576, 48), jnp.bfloat16),
+        jax.ShapeDtypeStruct((30, 4, 48, 1728), jnp.bfloat16),
+        jax.ShapeDtypeStruct((256,), jnp.int32),
+    )
+    with cuda_target(90):
+        lowered = jax.jit(delta).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(triton_call_targets(lowered)) == 2
+    for kernel_ir in triton_kernels(lowered):
+        assert triton_ir_text(kernel_ir).count("tt.dot") == 1

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_lora import PROJECTIONS, write_peft_adapter
+
 SCRIPT = Path(__file__).with_name("parallel_cases.py")
 
 
@@ -37,11 +39,18 @@ def results_of(process: subprocess.Popen, timeout: float = 600) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_model_dir) -> dict:
+def cases(tiny_model_dir, tmp_path_factory) -> dict:
     llama, _ = tiny_model_dir("llama")  # 4 query heads, 2 KV heads
     window, _ = tiny_model_dir("gemma3")  # 4 query heads, 1 KV head, sliding layers
     moe, _ = tiny_model_dir("qwen2_moe")  # 6 experts, a shared one, dense layers between
-    return results_of(run_cases("engines", str(llama), str(window), str(moe)))
+    hf_llama = tiny_model_dir("llama")[1]
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = [  # attention only, and every projection
+        write_peft_adapter(root / "small", hf_llama, ["q_proj", "k_proj", "o_proj"], 4, 8, 1),
+        write_peft_adapter(root / "full", hf_llama, list(PROJECTIONS), 8, 16, 2),
+    ]
+    paths = [str(path) for path in adapters]
+    return results_of(run_cases("engines", str(llama), str(window), str(moe), *paths))
 
 
 @pytest.mark.slow
@@ -85,6 +94,16 @@ def test_data_parallel_replicas_each_draft_on_their_own_device(cases):
 @pytest.mark.slow
 def test_async_llm_over_two_replicas(cases):
     assert cases["async/1x2"] == [tokens[0] for tokens in cases["llama/1x1"]["tokens"]]
+
+
+@pytest.mark.slow
+def test_lora_adapters_split_over_four_shards_give_one_devices_tokens(cases):
+    """Base rows and two adapters' in one batch; 4 shards repeat the 2 KV heads, and the
+    adapters' B columns with them."""
+    one, split = cases["lora/1x1"], cases["lora/4x1"]
+    assert split == one
+    changed = [a != b for a, b in zip(one["tokens"], one["base"], strict=True)]
+    assert changed[0::3] == [False] * 3 and all(changed[1::3]) and all(changed[2::3])
 
 
 @pytest.mark.slow

@@ -121,6 +121,11 @@ class Platform:
         layout, where that moves no data (the CPU's packing is one device's: none)."""
         return params
 
+    def prepare_lora(self, slots: dict) -> dict:
+        """A step's LoRA slots (`models/lora.py`) as this platform's kernels take them: plain
+        arrays (each slot's shrink, the others' zeroed) unless a platform has a kernel."""
+        return slots
+
     def kv_budget_bytes(
         self,
         config: EngineConfig,

@@ -83,6 +83,15 @@ class GpuPlatform(Platform):
         # A wrapper only: each shard's view is its own experts, which the kernel runs.
         return self.prepare_params(params, dtype)
 
+    def prepare_lora(self, slots: dict) -> dict:
+        """LoRA slots multiply by the Pallas grouped matmul (tokens sorted by slot, the base
+        model's skipped) where their widths tile in blocks of 16; a wrapper, each step."""
+        from kernels_pallas.grouped_matmul import PallasExperts
+
+        if not all(d % 16 == 0 for f in slots.values() for w in f.values() for d in w.shape[2:]):
+            return slots
+        return jax.tree.map(PallasExperts, slots)
+
     def kv_budget_bytes(
         self,
         config: EngineConfig,

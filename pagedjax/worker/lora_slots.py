@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.lora import empty_lora, set_slot_jit
+from models.lora import empty_lora, set_slot_jit, slot_rank
 from models.peft import LoRAAdapter, check_adapter, load_peft_adapter, pack_adapter
 from pagedjax.errors import InvalidRequestError
 from pagedjax.lora.request import LoRARequest
@@ -34,11 +34,15 @@ class LoRASlots:
         max_cpu_loras: int,
         dtype,
         place: Callable[[dict], dict] = lambda tree: tree,
+        layout: Callable[[Packed], Packed] = lambda packed: packed,
+        slot_config: ModelConfig | None = None,
     ):
-        """place: puts the slots where the step runs (a device, or split over a group)."""
+        """place: puts slots where the step runs (a device, or split over a group); layout:
+        a packed adapter as the step's weights are laid out (tensor parallelism's columns);
+        slot_config: the model as the slots' shapes see it (default `config`)."""
         self.config, self.max_rank, self.max_cpu_loras = config, max_rank, max_cpu_loras
-        self.weights = place(empty_lora(config, max_loras, max_rank, dtype))
-        self._place = place
+        self.weights = place(empty_lora(slot_config or config, max_loras, max_rank, dtype))
+        self._layout = layout
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._free_slots = list(range(max_loras, 0, -1))  # popped from the end: slot 1 first
         self._host: OrderedDict[int, Packed] = OrderedDict()  # LRU first
@@ -65,7 +69,7 @@ class LoRASlots:
                 )
             adapter = load_peft_adapter(request.lora_path)
         check_adapter(adapter, self.config, self.max_rank)
-        packed = pack_adapter(adapter, self.config, self.max_rank)
+        packed = pack_adapter(adapter, self.config, slot_rank(self.max_rank))
         self._requests[request.lora_int_id] = request
         if not request.lora_path:
             self._in_memory.add(request.lora_int_id)
@@ -122,7 +126,7 @@ class LoRASlots:
         if packed is None:  # dropped from the host cache: read again
             request = self._requests[lora_id]
             adapter = load_peft_adapter(request.lora_path)
-            packed = pack_adapter(adapter, self.config, self.max_rank)
+            packed = pack_adapter(adapter, self.config, slot_rank(self.max_rank))
         self._keep(lora_id, packed)
         return packed
 
@@ -136,5 +140,6 @@ class LoRASlots:
             del self._host[dropped]
 
     def _write(self, slot: int, packed: Packed) -> None:
-        update = jax.tree.map(np.asarray, packed)
-        self.weights = set_slot_jit(self.weights, np.int32(slot), self._place(update))
+        # Host arrays: the jitted write moves each to where its slots are (split or not).
+        update = jax.tree.map(np.asarray, self._layout(packed))
+        self.weights = set_slot_jit(self.weights, np.int32(slot), update)

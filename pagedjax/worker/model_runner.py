@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -35,7 +35,7 @@ from kernels_pallas.kv_groups import KVCacheGroups, single_group
 from kernels_pallas.metadata import AttentionMetadata, next_power_of_2
 from models.config import ModelConfig
 from models.llama import Params, forward_logits
-from models.tensor_parallel import TensorParallel
+from models.tensor_parallel import TensorParallel, layout_lora
 from pagedjax.config import EngineConfig
 from pagedjax.constraints import MaskFiller, apply_processors
 from pagedjax.core.memory import KVCacheSpec
@@ -254,13 +254,15 @@ class ModelRunner:
         num_host_blocks: int = 0,
         draft: DraftModel | None = None,
         kv_groups: KVCacheGroups | None = None,
+        prepare_lora: Callable[[dict], dict] | None = None,
     ):
         """tp: run split over its group (params placed by it); device: the one device of
         an engine that is not the default device's (a data-parallel replica's);
         num_host_blocks: the host tier's blocks (swapping), 0 for none; draft: speculative
         decoding's draft model (`draft_model.py`), whose pool gets the same blocks;
         kv_groups: the KV cache groups (`kernels_pallas/kv_groups.py`), whose slabs
-        `kv_spec` counts as its layers (default: one group, a slab per layer)."""
+        `kv_spec` counts as its layers (default: one group, a slab per layer); prepare_lora:
+        the platform's view of the LoRA slots (`Platform.prepare_lora`)."""
         self.kv_groups = kv_groups or single_group(model_config.num_layers)
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
@@ -276,6 +278,7 @@ class ModelRunner:
         self.kv_cache = self._allocate(num_blocks)
         # LoRA adapters' slots and host cache (`lora_slots.py`), None when LoRA is off.
         self.lora = self._lora_slots(config, model_config, params["final_norm"].dtype)
+        self._prepare_lora = prepare_lora or (lambda slots: slots)
         self._lora_params: Params | None = None  # a step of several decode steps' weights
         self.draft = draft
         self.draft_cache = self._allocate(num_blocks, draft.kv_spec) if draft else None
@@ -346,13 +349,22 @@ class ModelRunner:
     ) -> LoRASlots | None:
         if not config.enable_lora:
             return None
-        return LoRASlots(
+        slots = partial(
+            LoRASlots,
             model_config,
             config.max_loras,
             config.max_lora_rank,
             config.max_cpu_loras or config.max_loras,
             dtype,  # the model's activations'
-            place=lambda tree: jax.tree.map(self._place, tree),
+        )
+        tp = self.tp
+        if tp is None:
+            return slots(place=lambda tree: jax.tree.map(self._place, tree))
+        # Split as the weights they add to are: slots[name]["a" or "b"] [L, S, ...].
+        return slots(
+            place=lambda tree: jax.device_put(tree, tp.shardings(tp.lora_specs(tree))),
+            layout=partial(layout_lora, config=model_config, size=tp.size),
+            slot_config=tp.config,
         )
 
     def _step_params(self, seqs: Sequence[ScheduledSequence], num_tokens: int) -> Params:
@@ -364,7 +376,8 @@ class ModelRunner:
         lengths = [len(s.token_ids) for s in seqs]
         slots = np.zeros(num_tokens, np.int32)
         slots[: sum(lengths)] = np.repeat([slot_of[s.lora_id] for s in seqs], lengths)
-        return {**self.params, "lora": {"weights": self.lora.weights, "slots": slots}}
+        weights = self._prepare_lora(self.lora.weights)
+        return {**self.params, "lora": {"weights": weights, "slots": slots}}
 
     def _allocate(self, num_blocks: int, spec: KVCacheSpec | None = None) -> KVCache:
         """A zeroed pool (the target's, or `spec`'s), created where it lives (split by KV head

@@ -340,6 +340,7 @@ class Worker:
                     device=self.devices[0] if self._placed and self.tp is None else None,
                     num_host_blocks=self.num_host_blocks,
                     kv_groups=self.kv_groups,
+                    prepare_lora=self.platform.prepare_lora,
                     draft=self.draft,
                 )
                 if self.platform.probes_attention:

@@ -60,8 +60,9 @@ Params = dict
 AttentionFn = Callable[..., jax.Array]
 # Whatever a layer's attention carries from layer to layer (the paged forward: the KV pool).
 AttendState = Any
-# (each token's adapter slot [T], params["lora"], its tiles or None): see `models/lora.py`.
-LoRAInputs = tuple[jax.Array, dict, Any]
+# (each token's adapter slot [T], params["lora"], its tiles or None, whether any token has an
+# adapter): see `models/lora.py`.
+LoRAInputs = tuple[jax.Array, dict, Any, jax.Array]
 # (q, k, v, layer, sliding_window, sinks, state) -> (out, state): see `decoder_layers`.
 Attend = Callable[
     [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, AttendState],
@@ -194,17 +195,23 @@ def _matmul(
     out = layer_matmul(x, weights[name], layer)
     if lora is None:
         return out
-    slots, adapters, tiles = lora
-    return out + lora_delta(x, adapters[name], layer, slots, tiles)
+    slots, adapters, tiles, active = lora
+
+    def delta() -> jax.Array:
+        return lora_delta(x, adapters[name], layer, slots, tiles).astype(out.dtype)
+
+    # A step of the base model's tokens only skips the adapters' work at run time.
+    return out + jax.lax.cond(active, delta, lambda: jnp.zeros_like(out))
 
 
 def _lora_inputs(adapters: dict, slots: jax.Array) -> LoRAInputs:
     """The layers' LoRA inputs: with the slots as a platform's grouped weights (the GPU's
     kernel), the step's tokens sorted by slot once for every layer."""
     a = adapters["wqkv"]["a"]
+    active = jnp.any(slots > 0)
     if isinstance(a, jax.Array):
-        return slots, adapters, None
-    return slots, adapters, lora_tiles(slots, a.shape[1])
+        return slots, adapters, None, active
+    return slots, adapters, lora_tiles(slots, a.shape[1]), active
 
 
 def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:

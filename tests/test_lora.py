@@ -141,6 +141,18 @@ def run_with_loras(engine, prompts, loras, params, prefix: str = "") -> list:
     return [done[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
+def embedding_adapter(tmp_path: Path) -> Path:
+    """An adapter on the token embeddings, which pagedjax does not serve."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "embedding"
+    folder.mkdir()
+    tensor = "base_model.model.model.embed_tokens.lora_embedding_A"
+    save_file({tensor: np.zeros((2, 128), np.float32)}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    return folder
+
+
 def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(tiny, adapters, tmp_path):
     hf_model = tiny("llama")[1]
     engine = make_engine(tiny, enable_lora=True, max_lora_rank=4)
@@ -155,6 +167,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(tiny, ada
             ),  # fmt: skip
         ),
         "does not exist": LoRARequest("missing", 4, str(tmp_path / "nowhere")),
+        "embeddings or the LM head": LoRARequest("embed", 5, str(embedding_adapter(tmp_path))),
     }
     for message, lora in cases.items():
         with pytest.raises(InvalidRequestError, match=message):

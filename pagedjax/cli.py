@@ -255,24 +255,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         ("--attention-backend", str),
         ("--scheduling-policy", str),
         ("--seed", int),
-        ("--max-loras", int),
-        ("--max-lora-rank", int),
-        ("--max-cpu-loras", int),
     ):
         engine.add_argument(flag, type=kind, default=None)
-    engine.add_argument(
-        "--enable-lora",
-        action="store_true",
-        default=None,
-        help="serve LoRA adapters over the model (--lora-modules, /v1/load_lora_adapter)",
-    )
-    engine.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        metavar="NAME=PATH",
-        help="PEFT adapter directories served under these model names (with --enable-lora)",
-    )
+    _add_lora_args(engine)
     engine.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
@@ -308,6 +293,25 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="decode steps run per dispatch when every sequence decodes (default 1)",
+    )
+
+
+def _add_lora_args(engine: argparse._ArgumentGroup) -> None:
+    """vLLM's LoRA flags: the EngineConfig options and the adapters served from the start."""
+    for flag in ("--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+        engine.add_argument(flag, type=int, default=None)
+    engine.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters over the model (--lora-modules, /v1/load_lora_adapter)",
+    )
+    engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT adapter directories served under these model names (with --enable-lora)",
     )
 
 

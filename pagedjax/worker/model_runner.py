@@ -311,15 +311,7 @@ class ModelRunner:
         max_tokens, max_seqs = self.token_buckets[-1], self.max_seqs_bucket
         self._tokens = np.zeros(max_tokens, np.int32)
         self._positions = np.zeros(max_tokens, np.int32)
-        # Per KV cache group (one unless the model mixes attention kinds: `kv_groups`).
-        num_groups = self.kv_groups.num_groups
-        self._slots = np.full((num_groups, max_tokens), PAD_SLOT, np.int32)
-        self._tables = np.full((num_groups, max_seqs, self.width_buckets[-1]), NULL_BLOCK, np.int32)
-        # Each running request's block ids, kept across steps (`worker/block_table.py`).
-        self.block_tables = BlockTables(2 * max_seqs, self.width_buckets[0])
-        self.group_block_tables = [
-            BlockTables(2 * max_seqs, self.width_buckets[0]) for _ in range(num_groups - 1)
-        ]
+        self._table_buffers(max_tokens, max_seqs)
         self._seq_lens = np.zeros(max_seqs, np.int32)
         self._query_start = np.zeros(max_seqs + 1, np.int32)
         self.num_compilations = 0  # compilations this runner's steps triggered
@@ -343,6 +335,18 @@ class ModelRunner:
             if spec.disable_by_batch_size is not None:
                 most = min(most, spec.disable_by_batch_size)
             self.chain_buckets = [1 << i for i in range(next_power_of_2(most).bit_length())]
+
+    def _table_buffers(self, max_tokens: int, max_seqs: int) -> None:
+        """The slots and tables a step fills, per KV cache group (one unless the model mixes
+        attention kinds: `kv_groups`), and each running request's block ids, kept across
+        steps (`worker/block_table.py`)."""
+        num_groups, width = self.kv_groups.num_groups, self.width_buckets[-1]
+        self._slots = np.full((num_groups, max_tokens), PAD_SLOT, np.int32)
+        self._tables = np.full((num_groups, max_seqs, width), NULL_BLOCK, np.int32)
+        self.block_tables = BlockTables(2 * max_seqs, self.width_buckets[0])
+        self.group_block_tables = [
+            BlockTables(2 * max_seqs, self.width_buckets[0]) for _ in range(num_groups - 1)
+        ]
 
     def _lora_slots(
         self, config: EngineConfig, model_config: ModelConfig, dtype: jnp.dtype

@@ -184,17 +184,7 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, chat.create(body))
 
-    @v1.get("/models")
-    async def list_models() -> ModelList:
-        return ModelList(data=models.cards())
-
-    @v1.post("/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        return PlainTextResponse(await models.load(body))
-
-    @v1.post("/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        return PlainTextResponse(await models.unload(body))
+    _add_model_routes(v1, models)
 
     app.include_router(v1)
 
@@ -235,6 +225,22 @@ def build_app(
 
     _add_error_handlers(app)
     return app
+
+
+def _add_model_routes(v1: APIRouter, models: ServingModels) -> None:
+    """/v1/models, and vLLM's endpoints that load and unload LoRA adapters while serving."""
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=models.cards())
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.load(body))
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.unload(body))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

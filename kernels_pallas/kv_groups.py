@@ -35,6 +35,12 @@ class KVCacheGroups:
         return len(self.windows)
 
     @property
+    def metadata_dims(self) -> tuple[int, ...]:
+        """The leading dimension of a step's slots and tables: (G,) with several groups, none
+        with one (the metadata every backend reads)."""
+        return (self.num_groups,) if self.num_groups > 1 else ()
+
+    @property
     def frees_blocks(self) -> bool:
         """Whether some group gives back blocks that fell out of its window."""
         return any(self.windows)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from kernels_pallas.grouped_matmul import ExpertTiles, expert_tiles, tile_rows
 from models.config import ModelConfig
 from models.errors import ModelLoadError
-from models.peft import LORA_TARGETS, lora_shapes, module_shapes
+from models.peft import lora_shapes, module_columns
 
 
 def slot_rank(max_rank: int) -> int:
@@ -90,22 +90,15 @@ def merge_lora(params: dict, config: ModelConfig, arrays: dict, scale: float = 1
     """The params with an adapter held as arrays (`models.peft.adapter_from_arrays`' format)
     merged into their weights: W + scale * A^T B^T, differentiable in the arrays, so a training
     loop runs the adapted model with `models.training`. Plain-array weights only."""
-    shapes = module_shapes(config)
-    places = {}  # module -> (its fused matmul, its first output column there)
-    for name, modules in LORA_TARGETS.items():
-        column = 0
-        for module in modules:
-            places[module] = (name, column)
-            column += shapes[module][1]
+    columns = module_columns(config)
     layers = dict(params["layers"])
     for module, pair in arrays.items():
-        name, column = places[module]
+        name, start, end = columns[module]
         weight = layers[name]
         if not isinstance(weight, jax.Array):
             raise ModelLoadError(
                 f"{name} is a {type(weight).__name__}: merging an adapter needs plain weights"
             )
         delta = scale * jnp.einsum("lrk,lnr->lkn", pair["lora_A"], pair["lora_B"])
-        end = column + shapes[module][1]
-        layers[name] = weight.at[:, :, column:end].add(delta.astype(weight.dtype))
+        layers[name] = weight.at[:, :, start:end].add(delta.astype(weight.dtype))
     return {**params, "layers": layers}

@@ -183,6 +183,18 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def module_columns(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Each module's fused matmul and its output columns there: module -> (name, start, end)."""
+    shapes = module_shapes(config)
+    columns = {}
+    for name, modules in LORA_TARGETS.items():
+        start = 0
+        for module in modules:
+            columns[module] = (name, start, start + shapes[module][1])
+            start += shapes[module][1]
+    return columns
+
+
 def lora_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[int, int, int]]:
     """Each fused matmul's (K, n R, N) in a slot."""
     shapes = module_shapes(config)
@@ -223,20 +235,18 @@ def pack_adapter(
 ) -> dict[str, dict[str, np.ndarray]]:
     """The adapter in one slot's layout: name -> {"a": [L, K, n R], "b": [L, n R, N]},
     float32, the scale folded into B (check_adapter first)."""
-    shapes = module_shapes(config)
+    columns = module_columns(config)
     packed = {}
     for name, (k, width, n) in lora_shapes(config, max_rank).items():
         a = np.zeros((config.num_layers, k, width), np.float32)
         b = np.zeros((config.num_layers, width, n), np.float32)
-        column = 0
         for index, module in enumerate(LORA_TARGETS[name]):
-            out = shapes[module][1]
+            _, start, end = columns[module]
             rows = slice(index * max_rank, index * max_rank + adapter.rank)
             for layer in range(config.num_layers):
                 pair = adapter.weights.get((layer, module))
                 if pair is not None:
                     a[layer, :, rows] = pair[0].T
-                    b[layer, rows, column : column + out] = pair[1].T * adapter.scale
-            column += out
+                    b[layer, rows, start:end] = pair[1].T * adapter.scale
         packed[name] = {"a": a, "b": b}
     return packed

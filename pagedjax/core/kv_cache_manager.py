@@ -417,13 +417,13 @@ class KVCacheManager:
         the free queue among them), so that the groups of a hybrid manager allocate all or
         nothing. Gives back the blocks a sliding window passed, as allocating would."""
         state = self._get_state(request)
-        if self.sliding_window:
-            self._free_passed_blocks(request, state)
         hits = new_computed_blocks or ()
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots_end = num_computed + num_new_tokens + num_lookahead_tokens
         if not hits and num_slots_end <= state.fast_path_end:
-            return 0
+            return 0  # as allocate_slots' O(1) path: nothing given back, nothing taken
+        if self.sliding_window:
+            self._free_passed_blocks(request, state)
         cow_index = self._copy_on_write_index(state, num_computed) if num_new_tokens else -1
         return self._num_new_blocks(state, num_slots_end, hits, cow_index) + _num_free_hits(hits)
 

@@ -491,9 +491,10 @@ class Scheduler:
         if drafts:
             self._add_draft_rows(out, index, request, tokens, drafts)
             return
-        seq = ScheduledSequence(tokens, start, request.request_id, *self.kv.table_update(request))
-        if request.lora_id:
-            seq.lora_id = request.lora_id
+        table = self.kv.table_update(request)
+        seq = ScheduledSequence(
+            tokens, start, request.request_id, *table, lora_id=request.lora_id or 0
+        )
         out.seqs.append(seq)
         if request.num_prompt_logprobs and request.skip_prefix_cache:
             self._ask_prompt_logprobs(out, request, seq)
@@ -553,9 +554,10 @@ class Scheduler:
         k = len(drafts)
         on_device = self._drafts_on_device
         table = self.kv.table_update(request)
-        seq = ScheduledSequence(tokens + drafts, start, request.request_id, *table)
+        seq = ScheduledSequence(
+            tokens + drafts, start, request.request_id, *table, lora_id=request.lora_id or 0
+        )
         seq.num_model_drafts = k if on_device else 0
-        seq.lora_id = request.lora_id or 0
         out.seqs.append(seq)
         request.num_drafts_in_flight = k
         out.spec_rows[len(out.rows)] = k

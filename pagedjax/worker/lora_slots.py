@@ -53,23 +53,20 @@ class LoRASlots:
     # ------------------------------------------------------------------ adapters
 
     def add(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
-        """Registers an adapter, read from its path now (or given), so a bad one fails here;
-        the same id again replaces its weights (in its slot too, if loaded)."""
+        """Registers an adapter: given (checked by the engine's front end), or read from its
+        path now and checked, so a bad one fails here; the same id again replaces its weights
+        (in its slot too, if loaded)."""
         known = self._requests.get(request.lora_int_id)
         if known is not None and known.lora_name != request.lora_name:
             raise InvalidRequestError(
                 f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} already; "
                 f"give {request.lora_name!r} an id of its own"
             )
-        if adapter is None:
-            if not request.lora_path:
-                raise InvalidRequestError(
-                    f"adapter {request.lora_name!r} has no lora_path and was not added with "
-                    "add_lora"
-                )
-            adapter = load_peft_adapter(request.lora_path)
-        check_adapter(adapter, self.config, self.max_rank)
-        packed = pack_adapter(adapter, self.config, slot_rank(self.max_rank))
+        if adapter is None and not request.lora_path:
+            raise InvalidRequestError(
+                f"adapter {request.lora_name!r} has no lora_path and was not added with add_lora"
+            )
+        packed = self._read(request) if adapter is None else self._pack(adapter)
         self._requests[request.lora_int_id] = request
         if not request.lora_path:
             self._in_memory.add(request.lora_int_id)
@@ -124,11 +121,17 @@ class LoRASlots:
     def _packed(self, lora_id: int) -> Packed:
         packed = self._host.get(lora_id)
         if packed is None:  # dropped from the host cache: read again
-            request = self._requests[lora_id]
-            adapter = load_peft_adapter(request.lora_path)
-            packed = pack_adapter(adapter, self.config, slot_rank(self.max_rank))
+            packed = self._read(self._requests[lora_id])
         self._keep(lora_id, packed)
         return packed
+
+    def _read(self, request: LoRARequest) -> Packed:
+        adapter = load_peft_adapter(request.lora_path)
+        check_adapter(adapter, self.config, self.max_rank)
+        return self._pack(adapter)
+
+    def _pack(self, adapter: LoRAAdapter) -> Packed:
+        return pack_adapter(adapter, self.config, slot_rank(self.max_rank))
 
     def _keep(self, lora_id: int, packed: Packed) -> None:
         self._host[lora_id] = packed

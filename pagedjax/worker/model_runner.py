@@ -111,16 +111,16 @@ def activation_bytes(
     max_blocks_per_seq: int,
     attention: AttentionBackend,
     kv_spec: KVCacheSpec,
-    num_groups: int = 1,
+    kv_groups: KVCacheGroups | None = None,
 ) -> int:
     """Peak temporary memory of the forward at `num_tokens` tokens, from XLA's compiled memory
     analysis (compiled, never run) with a minimal pool, whose size does not change the
-    temporaries. Used to size the KV pool from the device memory that is left. num_groups:
+    temporaries. Used to size the KV pool from the device memory that is left. kv_groups:
     the KV cache groups (`kv_spec` counting their slabs as layers)."""
     cache = jax.eval_shape(lambda: allocate_kv_cache(kv_spec, 2, 16, config.num_layers))
     ints = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
     seqs = min(num_tokens, 256)
-    groups = (num_groups,) if num_groups > 1 else ()
+    groups = kv_groups.metadata_dims if kv_groups else ()
     metadata = AttentionMetadata(
         slot_mapping=jax.ShapeDtypeStruct((*groups, num_tokens), jnp.int32),
         block_tables=jax.ShapeDtypeStruct((*groups, seqs, max_blocks_per_seq), jnp.int32),
@@ -279,7 +279,6 @@ class ModelRunner:
         # LoRA adapters' slots and host cache (`lora_slots.py`), None when LoRA is off.
         self.lora = self._lora_slots(config, model_config, params["final_norm"].dtype)
         self._prepare_lora = prepare_lora or (lambda slots: slots)
-        self._lora_params: Params | None = None  # a step of several decode steps' weights
         self.draft = draft
         self.draft_cache = self._allocate(num_blocks, draft.kv_spec) if draft else None
         self.host_kv: HostKV | None = None
@@ -619,7 +618,7 @@ class ModelRunner:
             copies[: len(block_copies)] = block_copies
         # Copies, not views: dispatch is asynchronous and may read host memory after we
         # return, while the next step refills these buffers.
-        grouped = len(group_tables) > 1  # else without the group dimension
+        grouped = bool(self.kv_groups.metadata_dims)  # else without the group dimension
         metadata = AttentionMetadata(
             slot_mapping=(slots if grouped else slots[0]).copy(),
             block_tables=(tables if grouped else tables[0]).copy(),
@@ -737,14 +736,23 @@ class ModelRunner:
         tokens, positions, metadata, r_pad, copies, sources, _ = self.prepare(
             seqs, len(rows), block_copies
         )
-        self._lora_params = self._step_params(seqs, len(tokens))
+        params = self._step_params(seqs, len(tokens))
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         batch = self._batch_sampling(rows, r_pad)
         # A row with a token mask takes one step: its mask is that step's.
         token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
         tokens_out, finite, logprobs = self._decode_steps(
-            (tokens, sources, self._previous(previous), positions, metadata, copies, limits),
+            (
+                params,
+                tokens,
+                sources,
+                self._previous(previous),
+                positions,
+                metadata,
+                copies,
+                limits,
+            ),
             self._sampling_metadata(rows, batch, token_mask),
             num_steps,
             **batch.flags(),
@@ -754,9 +762,9 @@ class ModelRunner:
     def _decode_steps(
         self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool | int | None
     ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
-        """`decode_steps` on the pool: inputs are (tokens, sources, previous, positions,
-        metadata, copies, limits); flags are its use_truncation, all_greedy, num_logprobs and
-        use_penalties. Returns ([num_steps, R] tokens, finite, logprobs)."""
+        """`decode_steps` on the pool: inputs are (params, tokens, sources, previous,
+        positions, metadata, copies, limits); flags are its use_truncation, all_greedy,
+        num_logprobs and use_penalties. Returns ([num_steps, R] tokens, finite, logprobs)."""
         args, options = self._decode_steps_call(inputs, meta, num_steps, flags)
         tokens_out, finite, logprobs, self.kv_cache = self._compiled(decode_steps, *args, **options)
         return tokens_out, finite, logprobs
@@ -766,10 +774,8 @@ class ModelRunner:
     ) -> tuple[tuple, dict]:
         """`decode_steps`' arguments and options (every flag passed, always the same way: a
         keyword left to its default would be another compilation)."""
-        tokens, sources, previous, positions, metadata, copies, limits = inputs
+        params, tokens, sources, previous, positions, metadata, copies, limits = inputs
         rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
-        params = self._lora_params or self._step_params((), len(tokens))
-        self._lora_params = None
         args = (params, tokens, sources, previous, positions, self.kv_cache, metadata)
         args += (rows, copies, limits, meta)
         options = dict(
@@ -787,12 +793,12 @@ class ModelRunner:
     def _padding_decode_inputs(self, t_pad: int, width: int) -> tuple[tuple, SamplingMetadata]:
         """`_decode_steps`' inputs for a step of only padding at bucket t_pad and width, with
         greedy sampling arrays."""
-        _, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
+        params, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
             t_pad, width
         )
         meta = _greedy_metadata(min(t_pad, self.max_seqs_bucket))
         limits = np.zeros(t_pad, np.int32)
-        return (tokens, sources, previous, positions, metadata, copies, limits), meta
+        return (params, tokens, sources, previous, positions, metadata, copies, limits), meta
 
     # The flags of greedy rows with nothing else asked (warmup, inspection).
     _GREEDY_STEPS = dict(
@@ -963,7 +969,7 @@ class ModelRunner:
         """The forward's arguments for a step of only padding at bucket t_pad and width: it
         writes nothing and reads masked pages."""
         s_pad = min(t_pad, self.max_seqs_bucket)
-        groups = (self.kv_groups.num_groups,) if self.kv_groups.num_groups > 1 else ()
+        groups = self.kv_groups.metadata_dims
         metadata = AttentionMetadata(
             slot_mapping=np.full((*groups, t_pad), PAD_SLOT, np.int32),
             block_tables=np.full((*groups, s_pad, width), NULL_BLOCK, np.int32),

@@ -214,7 +214,8 @@ class Worker:
 
     def _host_blocks(self) -> int:
         """The host tier's blocks for swap_space (of the whole pool's heads); ValueError for
-        more than the machine's memory. None where KV cache groups free blocks."""
+        more than the machine's memory. 0 where KV cache groups give blocks back (a swap
+        could not restore them)."""
         config = self.config
         swap_bytes = int(config.swap_space * 2**30)
         if not swap_bytes or self.kv_groups.frees_blocks:
@@ -486,7 +487,7 @@ class Worker:
                 -(-config.max_model_len // config.block_size),
                 self.attention,
                 self.device_kv_spec,
-                self.kv_groups.num_groups,
+                self.kv_groups,
             )
         except Exception as error:
             raise _BackendFailure(error) from error

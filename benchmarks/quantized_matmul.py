@@ -1,17 +1,19 @@
 """The block-code matmul kernel (`pagedjax/cpu_native/csrc/packed_matmul.cc`, QuantizedMatmul)
-of the work tree against the same kernel at a git revision, in one process, at the default
-model's (SmolLM2-135M) decode shapes.
+at each instruction-set level this machine runs (`build.levels()`: AVX-512, AVX2, portable),
+and optionally the same kernel at a git revision, in one process, at the default model's
+(SmolLM2-135M) decode shapes.
 
-    python benchmarks/quantized_matmul.py [--rows 1] [--baseline-rev HEAD] [--repeats 15]
-        [--shapes wqkv wo w_gate_up w_down lm_head]
-        [--smoke (the wo shape only, 2 weights, one timed chain; the baseline still compiled)]
+    python benchmarks/quantized_matmul.py [--rows 1] [--levels avx512 avx2] [--baseline-rev REV]
+        [--repeats 15] [--shapes wqkv wo w_gate_up w_down lm_head]
+        [--smoke (the wo shape only, 2 weights, one timed chain)]
 
 The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
-engine's kernels and registered under another FFI target. Each layer shape runs as a chain of
-`--layers` distinct random 4-bit weights (x feeds the next call), so the weights stream from
-memory as in a decode step; the 8-bit LM head is one weight (35 MB, past the L3). Old and new
-take turns, `--iters` chains each per repeat; the table holds the median microseconds per
-matmul and old / new. Both kernels' outputs are checked equal bit for bit first.
+engine's kernels at this machine's best level and registered under another FFI target. Each
+layer shape runs as a chain of `--layers` distinct random 4-bit weights (x feeds the next call),
+so the weights stream from memory as in a decode step; the 8-bit LM head is one weight (35 MB,
+past the L3). The kernels take turns, `--iters` chains each per repeat; the table holds the
+median microseconds per matmul and each one's time over the first level's. Every kernel's
+outputs are checked equal bit for bit first.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def register_baseline(rev: str) -> None:
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         library = tmp / "baseline.so"
         subprocess.run(
-            [compiler, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
-             "-w", f"-I{jax.ffi.include_dir()}", str(tmp / "packed_matmul.cc"), "-o", str(library)],
+            [compiler, "-O3", *build.level_flags(build.levels()[0]), "-fopenmp-simd",
+             "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+             str(tmp / "packed_matmul.cc"), "-o", str(library)],
             check=True,
         )  # fmt: skip
         handler = ctypes.cdll.LoadLibrary(str(library)).QuantizedMatmul  # stays loaded
@@ -90,7 +93,8 @@ def chain(target: str, x: jax.Array, weights: list[matmul.QuantizedWeight]) -> j
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M of x [M, K]")
-    parser.add_argument("--baseline-rev", default="HEAD", help="git revision of the old kernel")
+    parser.add_argument("--levels", nargs="+", default=None, help="default: every level here")
+    parser.add_argument("--baseline-rev", default=None, help="git revision of an old kernel")
     parser.add_argument("--layers", type=int, default=30, help="weights per layer shape")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
@@ -100,16 +104,21 @@ def main() -> None:
         parser.set_defaults(layers=2, repeats=1, iters=1, shapes=["wo"])
     args = parser.parse_args()
     assert build.available()
+    levels = args.levels or build.levels()
+    targets = {level: f"{matmul.QUANTIZED_TARGET}_{level}" for level in levels}
+    for level in levels:
+        assert build.load(level), level
+    if args.baseline_rev:
+        register_baseline(args.baseline_rev)
+        targets[args.baseline_rev] = BASELINE_TARGET
     if args.smoke:
-        shapes = " ".join(args.shapes)
         print(
-            f"smoke: the kernel at {args.baseline_rev} against the work tree's, shapes {shapes}, "
+            f"smoke: the kernel at {list(targets)}, shapes {' '.join(args.shapes)}, "
             f"rows {args.rows}, {args.layers} weights, {args.repeats}x{args.iters} chains"
         )
-    register_baseline(args.baseline_rev)
 
     rng = np.random.default_rng(0)
-    result: dict = {"baseline_rev": args.baseline_rev}
+    result: dict = {"levels": levels, "baseline_rev": args.baseline_rev}
     for name in args.shapes:
         k, n, bits = SHAPES[name]
         weights = [
@@ -119,10 +128,10 @@ def main() -> None:
             x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
             runs = {
                 kind: jax.jit(lambda x, ws, t=target: chain(t, x, ws))
-                for kind, target in (("old", BASELINE_TARGET), ("new", matmul.QUANTIZED_TARGET))
+                for kind, target in targets.items()
             }
             outs = [np.asarray(run(x, weights)) for run in runs.values()]
-            assert np.array_equal(*outs), f"{name} M={rows}: the kernels differ"
+            assert all(np.array_equal(outs[0], o) for o in outs), f"{name} M={rows}: differ"
             times: dict[str, list[float]] = {kind: [] for kind in runs}
             for _ in range(args.repeats):
                 for kind, run in runs.items():
@@ -132,11 +141,12 @@ def main() -> None:
                     out.block_until_ready()
                     per_call = (time.perf_counter() - start) / (args.iters * len(weights))
                     times[kind].append(1e6 * per_call)
-            old, new = (statistics.median(times[kind]) for kind in ("old", "new"))
             key = f"M{rows}_{name}_{k}x{n}_q{bits}"
-            result[f"{key}_old_us"] = old
-            result[f"{key}_new_us"] = new
-            result[f"{key}_old/new"] = old / new
+            first = statistics.median(times[levels[0]])
+            for kind, runs_us in times.items():
+                result[f"{key}_{kind}_us"] = statistics.median(runs_us)
+                if kind != levels[0]:
+                    result[f"{key}_{kind}/{levels[0]}"] = statistics.median(runs_us) / first
     report("quantized_matmul", result, smoke=args.smoke)
 
 

@@ -133,7 +133,7 @@ def test_failed_kernel_build_leaves_the_cpu_on_xla(monkeypatch):
     """Without a compiler the build warns once, the platform's "auto" attention is XLA's
     loops, and asking for the kernel by name says why it cannot run."""
 
-    def no_compiler():
+    def no_compiler(level):
         raise RuntimeError("no C++ compiler found")
 
     q, cache, metadata = make_case(
@@ -141,7 +141,7 @@ def test_failed_kernel_build_leaves_the_cpu_on_xla(monkeypatch):
     )
     spec = AttentionSpec(4, 2, 64, "float32", 16)
     monkeypatch.setattr(build, "_build", no_compiler)
-    build.available.cache_clear()
+    build.load.cache_clear()
     try:
         with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
             platform = cpu_platform()
@@ -152,7 +152,7 @@ def test_failed_kernel_build_leaves_the_cpu_on_xla(monkeypatch):
             platform.attention_backend("cpu_native", spec)
         out = backend(q, cache, 1, metadata, scale=0.125)
     finally:
-        build.available.cache_clear()
+        build.load.cache_clear()
     assert_matches(out, expected(q, cache, 1, metadata, scale=0.125), metadata, jnp.float32)
 
 

@@ -149,3 +149,39 @@ def test_grouped_kernel_is_each_experts_matmul_on_its_rows(tokens, top_k, expert
             np.testing.assert_array_equal(out[positions[t, j]], np.asarray(want)[0])
     padding = np.setdiff1d(np.arange(out.shape[0]), positions.ravel())
     assert not out[padding].any()
+
+
+def _at_level(target: str, level: str, columns: int, *args, **attrs) -> np.ndarray:
+    x = args[0]
+    out_shape = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
+    call = build.ffi_call(target, out_shape, level=level)
+    return np.asarray(call(*args, columns=np.int64(columns), **attrs))
+
+
+@pytest.mark.parametrize("bits", [4, 8, 32])
+def test_every_instruction_set_level_gives_the_same_bits(bits):
+    """Each level this machine runs (AVX-512, AVX2, the portable loops; `build.levels()`)
+    computes every output as the same float32 sum in the same order: the packed and quantized
+    matmuls agree bit for bit at each row count, the register tiles' sizes and the fused decode
+    tiles' panel groups included (5 panels: a group of 4 and one left over)."""
+    rng = np.random.default_rng(bits)
+    inner, columns = 96, 5 * 24 - 7
+    if bits == 32:
+        weight = rng.normal(size=(inner, columns)).astype(np.float32)
+        packed, target = pack(weight), matmul.TARGET
+        operands, attrs = (packed.panels,), {}
+    else:
+        codes, scales, offsets, weight = random_blocks(rng, inner, columns, bits)
+        packed, target = pack_blocks(codes, scales, offsets, bits), matmul.QUANTIZED_TARGET
+        operands, attrs = (packed.codes, packed.scales, packed.offsets), {"bits": np.int64(bits)}
+    x = jnp.asarray(rng.normal(size=(19, inner)).astype(np.float32))
+    for rows in (1, 2, 3, 4, 5, 8, 9, 19):
+        outs = {
+            level: _at_level(target, level, columns, x[:rows], *operands, **attrs)
+            for level in build.levels()
+        }
+        first = outs[build.levels()[-1]]
+        for level, out in outs.items():
+            assert np.array_equal(out, first), (rows, level)
+    want = np.asarray(x, np.float64) @ weight.astype(np.float64)
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-4)

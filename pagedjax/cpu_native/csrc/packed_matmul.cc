@@ -40,14 +40,36 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 24;  // output columns per panel: three 8-float vectors
-constexpr int kRows = 4;        // rows per register tile
 
 // out[r][c] = sum over k of x[r][k] * panel[k][c], for R rows and the first `cols` columns.
 template <int R>
 void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
           int64_t cols) {
-  alignas(32) float tile[R][kPanel];
-#ifdef PAGEDJAX_AVX2
+  alignas(64) float tile[R][kPanel];
+#if defined(PAGEDJAX_AVX512)
+  // A row's 24 columns are one 16-float and one 8-float vector; 32 registers hold 8 rows.
+  __m512 low[R];
+  __m256 high[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) low[r] = _mm512_setzero_ps(), high[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kPanel;
+    __m512 b0 = _mm512_loadu_ps(b);
+    __m256 b1 = _mm256_loadu_ps(b + 16);
+    __asm__("" : "+v"(b0), "+v"(b1));  // in registers, as in the AVX2 tile below
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+      low[r] = _mm512_fmadd_ps(_mm512_set1_ps(a), b0, low[r]);
+      high[r] = _mm256_fmadd_ps(_mm256_set1_ps(a), b1, high[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(tile[r], low[r]);
+    _mm256_store_ps(tile[r] + 16, high[r]);
+  }
+#elif defined(PAGEDJAX_AVX2)
   __m256 acc[R][3];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -77,14 +99,21 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
 #pragma omp simd
-      for (int64_t c = 0; c < kPanel; ++c) tile[r][c] += a * panel[k * kPanel + c];
+      for (int64_t c = 0; c < kPanel; ++c) tile[r][c] = std::fma(a, panel[k * kPanel + c], tile[r][c]);
     }
 #endif
   for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, tile[r], cols * sizeof(float));
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+#ifdef PAGEDJAX_AVX512
+constexpr int kRows = 8;  // rows per register tile
+constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>,
+                                     Tile<5>, Tile<6>, Tile<7>, Tile<8>};
+#else
+constexpr int kRows = 4;
 constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>};
+#endif
 
 // Calls multiply(p) for every panel p of an [., N] output. Threads take ranges of panels:
 // about four items per thread, and at most 32 panels each, since the item a thread finishes
@@ -314,6 +343,154 @@ constexpr FusedTileFn kFusedTile[2][kFusedRows + 1] = {
     {nullptr, FusedTile<1, 8>, FusedTile<2, 8>, FusedTile<3, 8>}};
 #endif
 
+#ifdef PAGEDJAX_AVX512
+// A code row's 16 + 8 bytes widened to int32 (zero-extended for uint8_t, sign-extended for
+// int8_t).
+template <typename Byte>
+__m512i Bytes16(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return std::is_signed_v<Byte> ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+// FusedTile for AVX-512 over G neighbouring panels at once (codes, scales and offsets of panel
+// p + g at g times their strides): more independent accumulators than one panel's three, which
+// at one row is what bounds the AVX2 tile (each accumulator's FMAs wait on the one before), and
+// a row's 24 columns in two vectors instead of three. The same sums bit for bit: one
+// accumulator per row and column, k in order, an FMA per term. `cols[g]`: panel g's columns.
+template <int R, int G, int kBits>
+void FusedTile512(const float* x, int64_t ldx, const uint8_t* codes, int64_t code_stride,
+                  const float* scales, const float* offsets, int64_t scale_stride, int64_t K,
+                  float* out, int64_t ldo, const int64_t* cols) {
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  const __m256i low_nibble8 = _mm256_set1_epi32(0x0F);
+  __m512 lo[R][G];
+  __m256 hi[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) lo[r][g] = _mm512_setzero_ps(), hi[r][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m512 s_lo[G], o_lo[G];
+    __m256 s_hi[G], o_hi[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const float* s = scales + g * scale_stride + b * kPanel;
+      const float* o = offsets + g * scale_stride + b * kPanel;
+      s_lo[g] = _mm512_loadu_ps(s), s_hi[g] = _mm256_loadu_ps(s + 16);
+      o_lo[g] = _mm512_loadu_ps(o), o_hi[g] = _mm256_loadu_ps(o + 16);
+    }
+    const float* xb = x + b * kBlock;
+    // Every row's accumulators += x[r][k] * w[k][.], panel g's weights widened from its codes.
+    const auto term = [&](const __m512i (&code_lo)[G], const __m256i (&code_hi)[G], int64_t k) {
+      __m512 w_lo[G];
+      __m256 w_hi[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        w_lo[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code_lo[g]), s_lo[g], o_lo[g]);
+        w_hi[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code_hi[g]), s_hi[g], o_hi[g]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(xb[r * ldx + k]);
+        const __m256 a8 = _mm512_castps512_ps256(a);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          lo[r][g] = _mm512_fmadd_ps(a, w_lo[g], lo[r][g]);
+          hi[r][g] = _mm256_fmadd_ps(a8, w_hi[g], hi[r][g]);
+        }
+      }
+    };
+    if constexpr (kBits == 4) {
+      // As FusedTile: the low nibbles (k = j) first, then the high ones (k = 16 + j).
+      const uint8_t* q = codes + b * (kBlock / 2) * kPanel;
+      for (int half = 0; half < 2; ++half)
+        for (int64_t j = 0; j < kBlock / 2; ++j) {
+          __m512i code_lo[G];
+          __m256i code_hi[G];
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) {
+            const uint8_t* row = q + g * code_stride + j * kPanel;
+            const __m512i a = Bytes16<uint8_t>(row);
+            const __m256i c = Bytes<uint8_t>(row + 16);
+            code_lo[g] = half ? _mm512_srli_epi32(a, 4) : _mm512_and_si512(a, low_nibble);
+            code_hi[g] = half ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, low_nibble8);
+          }
+          term(code_lo, code_hi, half * (kBlock / 2) + j);
+        }
+    } else {
+      const uint8_t* q = codes + b * kBlock * kPanel;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        __m512i code_lo[G];
+        __m256i code_hi[G];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const uint8_t* row = q + g * code_stride + k * kPanel;
+          code_lo[g] = Bytes16<int8_t>(row);
+          code_hi[g] = Bytes<int8_t>(row + 16);
+        }
+        term(code_lo, code_hi, k);
+      }
+    }
+  }
+  alignas(64) float tile[R][kPanel];
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(tile[r], lo[r][g]);
+      _mm256_store_ps(tile[r] + 16, hi[r][g]);
+    }
+    for (int r = 0; r < R; ++r)
+      std::memcpy(out + r * ldo + g * kPanel, tile[r], cols[g] * sizeof(float));
+  }
+}
+
+using FusedTile512Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*,
+                                const float*, int64_t, int64_t, float*, int64_t,
+                                const int64_t*);
+// At 1 row, 4 panels (8 accumulators); at 2 to 4 rows, 2 panels; then 1 panel up to 8 rows.
+constexpr int kFused512Rows = 8;
+template <int kBits>
+constexpr FusedTile512Fn kFused512[kFused512Rows + 1] = {
+    nullptr,
+    FusedTile512<1, 4, kBits>, FusedTile512<2, 2, kBits>, FusedTile512<3, 2, kBits>,
+    FusedTile512<4, 2, kBits>, FusedTile512<5, 1, kBits>, FusedTile512<6, 1, kBits>,
+    FusedTile512<7, 1, kBits>, FusedTile512<8, 1, kBits>};
+constexpr int kFused512Panels[kFused512Rows + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1};
+
+// The fused tiles over all of x's M <= kFused512Rows rows: threads take ranges of panel groups.
+void FusedMatmul512(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                    const uint8_t* codes, int64_t code_stride, const float* scales,
+                    const float* offsets, int64_t scale_stride, int bits, float* out) {
+  const int G = kFused512Panels[M];
+  const FusedTile512Fn tile = bits == 4 ? kFused512<4>[M] : kFused512<8>[M];
+  const FusedTile512Fn single = bits == 4 ? FusedTile512<1, 1, 4> : FusedTile512<1, 1, 8>;
+  const int64_t panels = (N + kPanel - 1) / kPanel, groups = (panels + G - 1) / G;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::clamp<int64_t>(groups / (4 * threads), 1, 32 / G);
+  pagedjax::ParallelFor(pool, (groups + per_item - 1) / per_item, [&](int64_t item) {
+    for (int64_t group = item * per_item; group < std::min(groups, (item + 1) * per_item);
+         ++group) {
+      const int64_t first = group * G, count = std::min<int64_t>(G, panels - first);
+      int64_t cols[4];
+      for (int g = 0; g < count; ++g) cols[g] = std::min(kPanel, N - (first + g) * kPanel);
+      if (count == G) {
+        tile(x, K, codes + first * code_stride, code_stride, scales + first * scale_stride,
+             offsets + first * scale_stride, scale_stride, K, out + first * kPanel, N, cols);
+        continue;
+      }
+      // The last, partial group: each remaining panel alone, row by row.
+      for (int g = 0; g < count; ++g)
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t p = first + g;
+          single(x + m * K, K, codes + p * code_stride, code_stride, scales + p * scale_stride,
+                 offsets + p * scale_stride, scale_stride, K, out + m * N + p * kPanel, N,
+                 &cols[g]);
+        }
+    }
+  });
+}
+#endif
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                                ffi::Buffer<ffi::F32> offsets, int64_t columns, int64_t bits,
@@ -329,7 +506,15 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (columns <= 0 || columns > panels * kPanel || out->dimensions()[1] != columns)
     return ffi::Error::InvalidArgument("quantized_matmul: columns out of the packed range");
   const int64_t code_stride = c_dims[1] * kPanel, scale_stride = s_dims[1] * kPanel;
-#ifdef PAGEDJAX_AVX2
+#if defined(PAGEDJAX_AVX512)
+  if (M > kFusedRows && M <= kFused512Rows) {  // decode's few rows: widened in registers
+    FusedMatmul512(pool, x.typed_data(), M, K, N, codes.typed_data(), code_stride,
+                   scales.typed_data(), offsets.typed_data(), scale_stride,
+                   static_cast<int>(bits), out->typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+#if defined(PAGEDJAX_AVX2)
   if (M > 0 && M <= kFusedRows) {  // decode's few rows: widened in registers
     const FusedTileFn tile = kFusedTile[bits == 8][M];
     ForEachPanel(pool, N, [&](int64_t p) {

@@ -1,5 +1,10 @@
-// Shared by the C++ CPU kernels (csrc/*.cc): the AVX2 switch, and a parallel loop over XLA's
-// intra-op thread pool.
+// Shared by the C++ CPU kernels (csrc/*.cc): the instruction-set switches, and a parallel loop
+// over XLA's intra-op thread pool.
+//
+// build.py compiles the sources once per level (-march=x86-64-v4, -v3, or the baseline):
+// PAGEDJAX_AVX512 adds AVX-512 code paths where they pay, on top of PAGEDJAX_AVX2's; without
+// either the portable loops run. Every path computes each matmul output as the same float32
+// sum in the same order, so the levels' matmuls agree bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +18,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDJAX_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define PAGEDJAX_AVX512 1
+#endif
 #endif
 
 namespace pagedjax {

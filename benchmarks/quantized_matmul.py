@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import shutil
 import statistics
@@ -72,14 +73,15 @@ def register_baseline(rev: str) -> None:
     jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
 
 
-def random_weight(rng, k: int, n: int, bits: int) -> matmul.QuantizedWeight:
+def random_weight(rng, k: int, n: int, bits: int) -> tuple[np.ndarray, ...]:
+    """pack_blocks's arguments for a random [K, N] weight."""
     codes = rng.integers(0, 256, (k * bits // 8, n), dtype=np.uint8)
     scales = (rng.random((k // 32, n)) * 0.02).astype(np.float16).astype(np.float32)
     offsets = -(2 ** (bits - 1)) * scales if bits == 4 else np.zeros_like(scales)
-    return matmul.pack_blocks(codes, scales, offsets, bits)
+    return codes, scales, offsets
 
 
-def chain(target: str, x: jax.Array, weights: list[matmul.QuantizedWeight]) -> jax.Array:
+def chain(target: str, x: jax.Array, weights: list) -> jax.Array:
     """x through every weight in turn (each call's input depends on the previous output)."""
     for w in weights:
         out_shape = jax.ShapeDtypeStruct((x.shape[0], w.columns), jnp.float32)
@@ -95,6 +97,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="M of x [M, K]")
     parser.add_argument("--levels", nargs="+", default=None, help="default: every level here")
     parser.add_argument("--baseline-rev", default=None, help="git revision of an old kernel")
+    parser.add_argument(
+        "--int8", action="store_true", help="also the int8-activation kernel at each level"
+    )
     parser.add_argument("--layers", type=int, default=30, help="weights per layer shape")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
@@ -111,6 +116,8 @@ def main() -> None:
     if args.baseline_rev:
         register_baseline(args.baseline_rev)
         targets[args.baseline_rev] = BASELINE_TARGET
+    if args.int8:  # llama.cpp's numerics: compared with each other, not with the float32 sums
+        targets |= {f"int8_{level}": f"{matmul.INT8_TARGET}_{level}" for level in levels}
     if args.smoke:
         print(
             f"smoke: the kernel at {list(targets)}, shapes {' '.join(args.shapes)}, "
@@ -121,25 +128,32 @@ def main() -> None:
     result: dict = {"levels": levels, "baseline_rev": args.baseline_rev}
     for name in args.shapes:
         k, n, bits = SHAPES[name]
-        weights = [
+        blocks = [
             random_weight(rng, k, n, bits) for _ in range(1 if name == "lm_head" else args.layers)
         ]
+        packed = [matmul.pack_blocks(*b, bits) for b in blocks]
+        dot = [matmul.pack_int8(*b, bits) for b in blocks] if args.int8 else []
         for rows in args.rows:
             x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
             runs = {
-                kind: jax.jit(lambda x, ws, t=target: chain(t, x, ws))
+                kind: functools.partial(
+                    jax.jit(lambda x, ws, t=target: chain(t, x, ws)),
+                    ws=dot if kind.startswith("int8_") else packed,
+                )
                 for kind, target in targets.items()
             }
-            outs = [np.asarray(run(x, weights)) for run in runs.values()]
-            assert all(np.array_equal(outs[0], o) for o in outs), f"{name} M={rows}: differ"
+            outs = {kind: np.asarray(run(x)) for kind, run in runs.items()}
+            for family in ({k for k in outs if k.startswith("int8_")}, set(levels)):
+                same = [outs[kind] for kind in family]
+                assert all(np.array_equal(same[0], o) for o in same), f"{name} M={rows}: differ"
             times: dict[str, list[float]] = {kind: [] for kind in runs}
             for _ in range(args.repeats):
                 for kind, run in runs.items():
                     start = time.perf_counter()
                     for _ in range(args.iters):
-                        out = run(x, weights)
+                        out = run(x)
                     out.block_until_ready()
-                    per_call = (time.perf_counter() - start) / (args.iters * len(weights))
+                    per_call = (time.perf_counter() - start) / (args.iters * len(blocks))
                     times[kind].append(1e6 * per_call)
             key = f"M{rows}_{name}_{k}x{n}_q{bits}"
             first = statistics.median(times[levels[0]])

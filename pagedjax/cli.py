@@ -275,6 +275,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="fail at start-up if the Pallas kernels fail, instead of running XLA's attention",
     )
     engine.add_argument(
+        "--int8-activations",
+        action="store_true",
+        default=None,
+        help="CPU, GGUF Q4_0/Q4_1/Q8_0 weights: quantize activations to int8 as llama.cpp does "
+        "(faster; tokens may differ from float32)",
+    )
+    engine.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
         default=None,

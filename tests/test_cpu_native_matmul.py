@@ -185,3 +185,55 @@ def test_every_instruction_set_level_gives_the_same_bits(bits):
             assert np.array_equal(out, first), (rows, level)
     want = np.asarray(x, np.float64) @ weight.astype(np.float64)
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-4)
+
+
+def int8_reference(x: np.ndarray, values: np.ndarray, scales, offsets) -> np.ndarray:
+    """llama.cpp's numerics in numpy: each row's 32 inputs quantized to int8 by their max,
+    integer sums per block, folded block by block (int8_matmul.cc's order)."""
+    rows, inner = x.shape
+    xb = x.reshape(rows, inner // 32, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inverse[..., None]), -127, 127).astype(np.int64)
+    s = (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+    isum = np.einsum("mbk,bkn->mbn", q, values.reshape(inner // 32, 32, -1).astype(np.int64))
+    y = np.zeros((rows, values.shape[1]), np.float32)
+    for b in range(inner // 32):
+        step = (d[:, b : b + 1] * scales[b]).astype(np.float32)
+        y = (isum[:, b].astype(np.float64) * step + y).astype(np.float32)
+        y = (offsets[b].astype(np.float64) * s[:, b : b + 1] + y).astype(np.float32)
+    return y
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_are_llamacpps_numerics_on_every_level(bits):
+    """Int8Weight (EngineConfig.int8_activations): the same bits on every instruction-set
+    level and at every row count (each row's own function: batch invariant), llama.cpp's
+    quantize-then-integer-dot numerics (a numpy model of them), within int8's error of the
+    float32 product; its columns are the exact weights."""
+    rng = np.random.default_rng(bits + 40)
+    inner, columns = 128, 5 * 24 - 7
+    codes, scales, offsets, weight = random_blocks(rng, inner, columns, bits)
+    packed = matmul.pack_int8(codes, scales, offsets, bits)
+    assert packed.codes.shape == (5, inner // 32, bits, 24, 4)
+    x = rng.normal(size=(11, inner)).astype(np.float32)
+    x[3, 32:64] = 0  # a block of zeros: d = 0
+    operands = (packed.codes, packed.scales, packed.offsets)
+    full = None
+    for rows in (11, 1, 2, 3, 5):
+        rows_x, int8_bits = jnp.asarray(x[:rows]), np.int64(bits)
+        outs = [
+            _at_level(matmul.INT8_TARGET, level, columns, rows_x, *operands, bits=int8_bits)
+            for level in build.levels()
+        ]
+        assert all(np.array_equal(outs[0], out) for out in outs), rows
+        full = outs[0] if full is None else full
+        assert np.array_equal(outs[0], full[:rows]), rows
+    values = matmul.block_values(codes, bits)
+    np.testing.assert_allclose(
+        full, int8_reference(x, values, scales, offsets), rtol=1e-5, atol=1e-6
+    )
+    exact = x.astype(np.float64) @ weight.astype(np.float64)
+    assert np.abs(full - exact).max() < 0.02 * np.abs(exact).max()
+    ids = jnp.asarray([0, columns - 1, columns // 2, 30])
+    assert np.array_equal(np.asarray(packed.take_columns(ids)), weight[:, ids].T)

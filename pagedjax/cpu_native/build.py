@@ -4,7 +4,7 @@ The sources are compiled together with the system C++ compiler on first use, aga
 headers that jaxlib ships, into one library per instruction-set level in a cache directory keyed
 by the sources, the level's flags and the jax version, so each build runs once per machine.
 
-Levels (x86-64, best first): `avx512` (AVX-512 F/BW/DQ/VL), `avx2` (AVX2, FMA, F16C: the
+Levels (x86-64, best first): `avx512` (AVX-512 F/BW/CD/DQ/VL and VNNI), `avx2` (AVX2, FMA, F16C: the
 fallback every x86-64 machine of the last decade has) and `generic` (the portable loops). The
 best level the CPU and the OS both offer is chosen once per process (`isa()`, from the kernel's
 `/proc/cpuinfo` flags, which leave out what the OS does not enable); `PAGEDJAX_CPU_ISA` forces a
@@ -40,6 +40,7 @@ TARGETS = {
     "pagedjax_kv_write": "KvWrite",
     "pagedjax_packed_matmul": "PackedMatmul",
     "pagedjax_quantized_matmul": "QuantizedMatmul",
+    "pagedjax_int8_matmul": "Int8Matmul",
     "pagedjax_grouped_packed_matmul": "GroupedPackedMatmul",
     "pagedjax_greedy_sample": "GreedySample",
     "pagedjax_token_logprobs": "TokenLogprobs",
@@ -49,8 +50,8 @@ ISA_ENV = "PAGEDJAX_CPU_ISA"
 # x86-64 levels, best first: (compiler flags, the /proc/cpuinfo flags a machine needs).
 X86_LEVELS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512": (
-        ("-march=x86-64-v4",),
-        frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma"}),
+        ("-march=x86-64-v4", "-mavx512vnni"),
+        frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni"}),
     ),
     "avx2": (("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
     "generic": (("-march=x86-64",), frozenset()),

@@ -28,6 +28,7 @@ from pagedjax.cpu_native import build
 
 TARGET = "pagedjax_packed_matmul"
 QUANTIZED_TARGET = "pagedjax_quantized_matmul"
+INT8_TARGET = "pagedjax_int8_matmul"
 GROUPED_TARGET = "pagedjax_grouped_packed_matmul"
 PANEL = 24  # output columns per panel (the kernel's register tile is 4 rows x 24 columns)
 
@@ -87,11 +88,58 @@ class QuantizedWeight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """A block-quantized [K, N] weight (w = code * scale + offset, per 32 k and column)
+    multiplied with each row's activations quantized to int8 per 32 inputs, as llama.cpp does
+    (`EngineConfig.int8_activations`; `csrc/int8_matmul.cc`). Codes in "dot panels", four
+    consecutive k of a column per 32-bit word, as the integer dot instructions take them:
+
+    codes    [P, K / 32, Q, 24, 4] uint8: 8-bit (Q = 8): byte (b, j, c, i) is the int8 code of
+             k = 32 b + 4 j + i; 4-bit (Q = 4): k = 32 b + 4 j + i in its low nibble and
+             32 b + 4 (j + 4) + i in its high one
+    scales   [P, K / 32, 24] float32
+    offsets  [P, K / 32, 24] float32
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    offsets: jax.Array
+    columns: int = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))
+
+    def matmul(self, x: jax.Array) -> jax.Array:  # [M, K] float32 -> [M, N]
+        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
+        call = build.ffi_call(INT8_TARGET, out_shape)
+        return call(
+            x.astype(jnp.float32),
+            self.codes,
+            self.scales,
+            self.offsets,
+            columns=np.int64(self.columns),
+            bits=np.int64(self.bits),
+        )
+
+    def take_columns(self, ids: jax.Array) -> jax.Array:  # [R] -> [R, K], exact
+        panel, column = ids // PANEL, ids % PANEL
+        picked = self.codes[panel, :, :, column]  # [R, K / 32, Q, 4]
+        if self.bits == 4:  # each byte's nibbles: quads j and j + 4
+            picked = jnp.concatenate([picked & 0x0F, picked >> 4], axis=-2)
+            values = picked.reshape(ids.shape[0], -1).astype(jnp.float32)
+        else:
+            values = jax.lax.bitcast_convert_type(picked, jnp.int8).reshape(ids.shape[0], -1)
+        scale, offset = (
+            jnp.repeat(a[panel, :, column], 32, -1) for a in (self.scales, self.offsets)
+        )
+        return values.astype(jnp.float32) * scale + offset
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PackedLayers:
     """One packed weight per layer: multiplied through a `lax.switch` on the traced layer
     index, which reads the chosen layer's panels in place."""
 
-    layers: tuple[PackedWeight | QuantizedWeight, ...]
+    layers: tuple[PackedWeight | QuantizedWeight | Int8Weight, ...]
 
     def layer_matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         branches = [lambda x, w=w: w.matmul(x) for w in self.layers]
@@ -171,14 +219,19 @@ def pack(weight: jax.Array | np.ndarray) -> PackedWeight:
     return PackedWeight(jax.device_put(panels(w)), w.shape[1])
 
 
+def check_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int) -> None:
+    k, n = scales.shape[0] * 32, scales.shape[1]
+    if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
+        raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
+
+
 def pack_blocks(
     codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int
 ) -> QuantizedWeight:
     """codes [K * bits / 8, N] bytes (in QuantizedWeight's order), scales and offsets
     [K / 32, N] float32 -> QuantizedWeight. Past N all are zero: a zero weight."""
-    k, n = scales.shape[0] * 32, scales.shape[1]
-    if bits not in (4, 8) or codes.shape != (k * bits // 8, n) or offsets.shape != scales.shape:
-        raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
+    check_blocks(codes, scales, offsets, bits)
+    n = scales.shape[1]
     return QuantizedWeight(
         jax.device_put(panels(np.asarray(codes).view(np.uint8))),
         jax.device_put(panels(np.asarray(scales, np.float32))),
@@ -188,15 +241,47 @@ def pack_blocks(
     )
 
 
-def _pack_one(w: jax.Array | QuantizedLinear) -> PackedWeight | QuantizedWeight:
-    """A [K, N] float weight, or a [N, K]-oriented QuantizedLinear, packed."""
+def block_values(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Code bytes [K * bits / 8, N] (QuantizedWeight's order) -> each k's code [K, N] (int8 for
+    8-bit, 0..15 for 4-bit)."""
+    if bits == 8:
+        return np.asarray(codes).view(np.int8)
+    halves = np.asarray(codes).reshape(-1, 16, codes.shape[-1])  # [K / 32, 16, N]
+    return np.stack([halves & 0x0F, halves >> 4], axis=1).reshape(-1, codes.shape[-1])
+
+
+def pack_int8(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int) -> Int8Weight:
+    """pack_blocks's arguments -> Int8Weight (dot panels; zero codes past N)."""
+    check_blocks(codes, scales, offsets, bits)
+    values = panels(block_values(codes, bits))  # [P, K, 24]
+    p, k, _ = values.shape
+    if bits == 4:  # k = 32 b + 16 h + 4 j + i: h = 0 in the low nibble, 1 in the high one
+        quads = values.astype(np.uint8).reshape(p, k // 32, 2, 4, 4, PANEL)
+        words = quads[:, :, 0] | quads[:, :, 1] << 4  # [P, K / 32, 4, 4, 24]
+    else:
+        words = values.view(np.uint8).reshape(p, k // 32, 8, 4, PANEL)
+    dot = np.ascontiguousarray(words.transpose(0, 1, 2, 4, 3))  # [P, K / 32, Q, 24, 4]
+    return Int8Weight(
+        jax.device_put(dot),
+        jax.device_put(panels(np.asarray(scales, np.float32))),
+        jax.device_put(panels(np.asarray(offsets, np.float32))),
+        scales.shape[1],
+        bits,
+    )
+
+
+def _pack_one(
+    w: jax.Array | QuantizedLinear, int8_activations: bool = False
+) -> PackedWeight | QuantizedWeight | Int8Weight:
+    """A [K, N] float weight, or a [N, K]-oriented QuantizedLinear, packed (`int8_activations`:
+    a quantized one as an Int8Weight)."""
     if isinstance(w, QuantizedLinear):
         codes, scales, offsets = (np.asarray(a).T for a in (w.codes, w.scales, w.offsets))
-        return pack_blocks(codes, scales, offsets, w.bits)
+        return (pack_int8 if int8_activations else pack_blocks)(codes, scales, offsets, w.bits)
     return pack(w)
 
 
-def _pack_stacked(weight: jax.Array | QuantizedLinear) -> PackedLayers:
+def _pack_stacked(weight: jax.Array | QuantizedLinear, int8_activations: bool) -> PackedLayers:
     # Sliced as numpy arrays: an eager jnp slice per layer would dispatch (and compile) each.
     if isinstance(weight, QuantizedLinear):
         codes, scales, offsets = (
@@ -208,19 +293,20 @@ def _pack_stacked(weight: jax.Array | QuantizedLinear) -> PackedLayers:
         ]
     else:
         layers = list(np.asarray(weight))
-    return PackedLayers(tuple(_pack_one(w) for w in layers))
+    return PackedLayers(tuple(_pack_one(w, int8_activations) for w in layers))
 
 
-def pack_params(params: Params) -> Params:
+def pack_params(params: Params, int8_activations: bool = False) -> Params:
     """Float32 params with every matmul weight packed for the kernel: the four layer weights
     as `PackedLayers`, the LM head as one packed weight. With tied embeddings the packed head
-    is the embeddings' transpose and replaces them (its `take_columns` serves the lookup)."""
+    is the embeddings' transpose and replaces them (its `take_columns` serves the lookup).
+    `int8_activations`: block-quantized weights multiply int8 activations (`Int8Weight`)."""
     layers = dict(params["layers"])
     # A mixture's router and shared expert too, so every row's product is the kernel's sum
     # in order (batch-invariant), as its experts' are.
     for name in MATMUL_WEIGHTS + ROUTER_MATMULS:
         if name in layers:  # a mixture of experts may have no dense MLP
-            layers[name] = _pack_stacked(layers[name])
+            layers[name] = _pack_stacked(layers[name], int8_activations)
     for name in EXPERT_MATMULS:
         if name in layers:
             layers[name] = pack_experts(layers[name])
@@ -229,4 +315,4 @@ def pack_params(params: Params) -> Params:
     else:
         rest = {k: v for k, v in params.items() if k != "embed"}
         head = np.asarray(params["embed"]).T
-    return {**rest, "layers": layers, "lm_head": _pack_one(head)}
+    return {**rest, "layers": layers, "lm_head": _pack_one(head, int8_activations)}

@@ -112,6 +112,13 @@ class Platform:
         """Whether a GGUF's block-quantized weights stay quantized (else: widened at load)."""
         return False
 
+    def with_int8_activations(self) -> Platform:
+        """This platform with block-quantized weights multiplying int8 activations
+        (EngineConfig.int8_activations)."""
+        raise ValueError(
+            f"int8_activations=True runs on the CPU's C++ kernels, not on {self.name}: drop it"
+        )
+
     def prepare_params(self, params: Params, dtype: jax.typing.DTypeLike) -> Params:
         """The params in the layout this platform's kernels run fastest."""
         return params

@@ -8,7 +8,7 @@ what larger blocks cost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import jax
@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CpuPlatform(Platform):
     native: bool = False  # the C++ kernels are built and registered
+    int8_activations: bool = False  # EngineConfig.int8_activations
+
+    def with_int8_activations(self) -> CpuPlatform:
+        if not self.native:
+            raise ValueError(
+                "int8_activations=True needs the CPU's C++ kernels, which did not build here "
+                "(see the warning above): drop it"
+            )
+        return replace(self, int8_activations=True)
 
     def _packs(self, dtype: jax.typing.DTypeLike) -> bool:
         """Whether weights are packed for the C++ matmul, which multiplies float32."""
@@ -67,7 +76,7 @@ class CpuPlatform(Platform):
             return params
         from pagedjax.cpu_native.matmul import pack_params
 
-        return pack_params(params)
+        return pack_params(params, self.int8_activations)
 
 
 def cpu_platform(native: bool | None = None) -> CpuPlatform:

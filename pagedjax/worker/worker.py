@@ -103,6 +103,8 @@ class Worker:
         self.channel, self.replica = channel, replica
         self._last: StepHandle | None = None  # a follower's last step, for placeholders
         given = model_config is not None and params is not None
+        if config.int8_activations:
+            platform = platform.with_int8_activations()
         config = replace(config, dtype=resolve_dtype(config, platform, params if given else None))
         self.config, self.platform = config, platform
         self.devices = tuple(devices) if devices is not None else (jax.devices()[0],)
@@ -112,8 +114,14 @@ class Worker:
         if len(self.devices) != size:
             raise ValueError(f"{len(self.devices)} devices for tensor_parallel_size {size}")
         dtype = jnp.dtype(config.dtype)
+        keep_blocks = size == 1 and platform.keeps_quantized_weights(dtype)
+        if config.int8_activations and not keep_blocks:
+            raise ValueError(
+                "int8_activations=True multiplies a GGUF's block-quantized weights, which the "
+                "CPU keeps with dtype float32 and tensor_parallel_size 1 only: drop one or the "
+                "other"
+            )
         if not given:
-            keep_blocks = size == 1 and platform.keeps_quantized_weights(dtype)
             model_config, params = load_model(
                 config.model, dtype, keep_blocks=keep_blocks, on_host=size > 1
             )

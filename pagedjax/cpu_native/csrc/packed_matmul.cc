@@ -33,13 +33,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "panels.h"
 #include "parallel.h"
 
 namespace ffi = xla::ffi;
+using pagedjax::ForEachPanel;
+using pagedjax::kBlock;
+using pagedjax::kPanel;
 
 namespace {
 
-constexpr int64_t kPanel = 24;  // output columns per panel: three 8-float vectors
 
 // out[r][c] = sum over k of x[r][k] * panel[k][c], for R rows and the first `cols` columns.
 template <int R>
@@ -114,21 +117,6 @@ constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>
 constexpr int kRows = 4;
 constexpr TileFn kTile[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>};
 #endif
-
-// Calls multiply(p) for every panel p of an [., N] output. Threads take ranges of panels:
-// about four items per thread, and at most 32 panels each, since the item a thread finishes
-// last is the other's idle time: uncapped, the LM head's large items left one thread idle for
-// much of a decode step's call.
-template <typename MultiplyFn>
-void ForEachPanel(ffi::ThreadPool& pool, int64_t N, const MultiplyFn& multiply) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::clamp<int64_t>(panels / (4 * threads), 1, 32);
-  pagedjax::ParallelFor(pool, (panels + per_item - 1) / per_item, [&](int64_t item) {
-    for (int64_t p = item * per_item; p < std::min(panels, (item + 1) * per_item); ++p)
-      multiply(p);
-  });
-}
 
 // out [M, N] = x [M, K] @ the panels, where panel(p) gives panel p as float32 [K, 24] (called
 // once per panel, on the thread that multiplies it).
@@ -206,8 +194,6 @@ ffi::Error GroupedPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   });
   return ffi::Error::Success();
 }
-
-constexpr int64_t kBlock = 32;  // k per scale and offset
 
 // scratch[k][c] = codes' weight at (k, c) for one panel, in float32.
 void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets, int64_t K,

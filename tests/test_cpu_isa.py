@@ -1,0 +1,82 @@
+"""The C++ kernels' instruction-set levels (`pagedjax/cpu_native/build.py`): the best level
+this machine runs by default, `PAGEDJAX_CPU_ISA` forcing a lower one (so one machine runs every
+path: here, end to end), a clear error for a level it cannot run; and `int8_activations`'
+errors. The kernels' bits per level are tested in test_cpu_native_matmul.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedjax.cpu_native import build
+
+GENERATE = """
+import json, sys
+from pagedjax.cpu_native import build
+from pagedjax.llm import LLM
+from pagedjax.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], max_model_len=64, num_kv_blocks=16, block_size=8)
+outs = llm.generate([[1, 5, 9, 2, 7], [3, 3, 4]], SamplingParams(temperature=0, max_tokens=12),
+                    use_tqdm=False)
+print(json.dumps({"isa": build.isa(), "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def run_generate(path, level: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != build.ISA_ENV}
+    if level is not None:
+        env[build.ISA_ENV] = level
+    done = subprocess.run(
+        [sys.executable, "-c", GENERATE, str(path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_levels_are_best_first_and_the_default_is_the_best():
+    levels = build.levels()
+    assert levels and build.isa() == (os.environ.get(build.ISA_ENV) or levels[0])
+    known = [*build.X86_LEVELS, build.NATIVE]
+    assert levels == sorted(levels, key=known.index)
+    if levels != [build.NATIVE]:
+        assert levels[-1] == "generic"  # the portable build runs on every x86-64
+
+
+def test_a_level_this_machine_cannot_run_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(build.ISA_ENV, "sse9")
+    build.isa.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="PAGEDJAX_CPU_ISA='sse9'.*unset it"):
+            build.isa()
+    finally:
+        monkeypatch.delenv(build.ISA_ENV)
+        build.isa.cache_clear()
+    with pytest.raises(ValueError, match="does not run"):
+        build.load("sse9")
+
+
+@pytest.mark.slow
+def test_every_level_gives_the_best_levels_tokens(tiny):
+    """The engine forced to each lower level (a process each, as a user sets the variable)
+    gives the default level's greedy tokens on a tiny Llama."""
+    path = tiny("llama")[0]
+    best = run_generate(path, None)
+    assert best["isa"] == build.levels()[0]
+    for level in build.levels()[1:]:
+        forced = run_generate(path, level)
+        assert forced == {"isa": level, "tokens": best["tokens"]}, level
+
+
+def test_int8_activations_need_the_cpus_kernels_and_float32(tiny):
+    from pagedjax.llm import LLM
+    from pagedjax.platforms import Platform, current_platform
+
+    with pytest.raises(ValueError, match="int8_activations=True runs on the CPU"):
+        Platform.with_int8_activations(current_platform())  # what a GPU platform answers
+    with pytest.raises(ValueError, match="dtype float32 and tensor_parallel_size 1"):
+        LLM(tiny("llama")[0], int8_activations=True, dtype="bfloat16", max_model_len=64)

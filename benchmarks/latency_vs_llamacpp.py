@@ -5,7 +5,7 @@ never CI's: `pip install llama-cpp-python` builds it from source, about 10 minut
 with as many threads as JAX's CPU client uses here.
 
     python benchmarks/latency_vs_llamacpp.py [--long 7900] [--tokens 64] [--threads 2]
-        [--repeats 2] [--kv-cache-dtypes auto,float16]
+        [--repeats 2] [--kv-cache-dtypes auto,float16] [--int8-activations]
         [--smoke (one engine, prompts of 16 and 64 tokens, 4 decoded, one run; llama.cpp if
         installed)]
 
@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtypes", default="auto,float16", help="pagedjax engines (llama.cpp: f16)"
     )
+    parser.add_argument(
+        "--int8-activations", action="store_true", help="also each dtype's int8_activations engine"
+    )
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
         parser.set_defaults(short=16, long=64, tokens=4, repeats=1, kv_cache_dtypes="auto")
@@ -84,20 +87,23 @@ def main() -> None:
 
     from models.loader import resolve_model_path
     from pagedjax.config import EngineConfig
+    from pagedjax.cpu_native.build import isa
     from pagedjax.engine import LLMEngine
 
     max_len = args.long + args.tokens + 64
     engines = {}
     for dtype in args.kv_cache_dtypes.split(","):
-        # No prefix caching: every run prefills its whole prompt, as llama.cpp's eval does.
-        config = EngineConfig(
-            max_model_len=max_len,
-            # A smoke run's short contexts fit a small pool, quicker to allocate and fill.
-            kv_cache_memory_bytes=(64 << 20) if args.smoke else 2 << 30,
-            kv_cache_dtype=dtype,
-            enable_prefix_caching=False,
-        )
-        engines[f"pagedjax_{dtype}"] = LLMEngine(config)
+        for int8 in (False, True) if args.int8_activations else (False,):
+            # No prefix caching: every run prefills its whole prompt, as llama.cpp's eval does.
+            config = EngineConfig(
+                max_model_len=max_len,
+                # A smoke run's short contexts fit a small pool, quicker to allocate and fill.
+                kv_cache_memory_bytes=(64 << 20) if args.smoke else 2 << 30,
+                kv_cache_dtype=dtype,
+                enable_prefix_caching=False,
+                int8_activations=int8,
+            )
+            engines[f"pagedjax_{dtype}" + ("_int8" if int8 else "")] = LLMEngine(config)
     tokenizer = next(iter(engines.values())).tokenizer
     short, long = sized_prompts(tokenizer, [args.short, args.long])
     prompts = {"short": short, "long": long}
@@ -125,6 +131,7 @@ def main() -> None:
             for name, run in runs.items():
                 timings[name, kind].append(run(prompt, args.tokens))
     result: dict = {"threads": args.threads, "repeats": args.repeats, "tokens": args.tokens}
+    result["cpu_isa"] = isa()
     for (name, kind), values in timings.items():
         prefill = statistics.median(v[0] for v in values)
         result[f"{name}_{kind}_decode_ms_per_token"] = 1e3 * statistics.median(v[1] for v in values)

@@ -8,13 +8,16 @@ W2: 256 requests (seeded), prompts of 32-512 tokens, max_tokens 16-512 each with
     python benchmarks/throughput.py [--workload W1|W2] [--requests N] [--tokens 128]
         [--max-num-batched-tokens 512] [--max-num-seqs 128] [--block-size N]
         [--num-scheduler-steps K]
-        [--peer] [--peer-batches 1,8,32] [--peer-requests N] [--model PATH]
+        [--int8-activations] [--peer] [--peer-batches 1,8,32] [--peer-requests N]
+        [--llamacpp] [--llamacpp-batches 1,8] [--model PATH]
         [--smoke (2 requests x 4 tokens on a tiny random Llama, few step shapes, the peer too)]
 
 --peer runs transformers `generate` (torch CPU float32, 2 threads) on the same token ids in static
 batches (left padding, greedy, every batch runs to its longest request's max_tokens); a peer
 request counts only its own max_tokens as output. --peer-requests runs the peer on the first N
-requests only. Prints output and total tokens/s, warmup time and compile count; writes JSON to
+requests only. --llamacpp runs llama.cpp on the same ids and the same GGUF file in static
+batches (`llamacpp_peer.py`; needs llama-cpp-python), with as many threads as the machine's
+cores. Prints output and total tokens/s, warmup time and compile count; writes JSON to
 results/throughput.json (results/throughput_w2.json for W2).
 """
 
@@ -108,6 +111,11 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="run the peer on the first N requests only (default: all)",
     )
+    parser.add_argument("--llamacpp", action="store_true", help="also run llama.cpp (a GGUF)")
+    parser.add_argument("--llamacpp-batches", default="1,8", help="llama.cpp's batch sizes")
+    parser.add_argument(
+        "--int8-activations", action="store_true", help="the engine's int8_activations option"
+    )
     parser.add_argument("--model", default=None, help="a model directory (default: the default)")
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:  # the same path at a few tokens; flags still win
@@ -128,6 +136,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
 
+    from pagedjax.cpu_native.build import isa
     from pagedjax.llm import LLM
     from pagedjax.platforms import current_platform
     from pagedjax.sampling_params import SamplingParams
@@ -145,6 +154,7 @@ def main() -> None:
         num_kv_blocks=max(kv_blocks(count, longest, bs), kv_blocks(1, max_model_len, bs)),
         block_size=bs,
         num_scheduler_steps=args.num_scheduler_steps,
+        int8_activations=args.int8_activations,
     )
     if w1:
         prompts = make_prompts(llm.get_tokenizer(), count)
@@ -172,6 +182,8 @@ def main() -> None:
     prompt_tokens = sum(len(p) for p in prompts)
     result = {
         "workload": label,
+        "cpu_isa": isa(),
+        "int8_activations": args.int8_activations,
         "num_scheduler_steps": args.num_scheduler_steps,
         "prompt_tokens": prompt_tokens,
         "output_tokens": generated,
@@ -194,6 +206,17 @@ def main() -> None:
         result.update(peer)
         result["engine_vs_best_peer"] = (
             result["output_tokens_per_s"] / result["peer_best_output_tokens_per_s"]
+        )
+    if args.llamacpp:
+        from llamacpp_peer import run_llamacpp
+
+        from models.loader import resolve_model_path
+
+        batches = [int(b) for b in args.llamacpp_batches.split(",")]
+        path = str(resolve_model_path(args.model).path)
+        result.update(run_llamacpp(path, prompts, max_tokens, batches, os.cpu_count() or 1))
+        result["engine_vs_llamacpp"] = (
+            result["output_tokens_per_s"] / result["llamacpp_best_output_tokens_per_s"]
         )
     name = ("throughput" if w1 else "throughput_w2") + ("_sampled" if sampled else "")
     report(name, result, smoke=args.smoke)

@@ -69,22 +69,28 @@ inline float Fold(float y, int32_t isum, float d, float scale, float offset, flo
 
 #if defined(PAGEDJAX_AVX512) && defined(__AVX512VNNI__)
 // R rows x one panel: columns 0-15 in a 16-lane vector, 16-23 in an 8-lane one, as int32 sums
-// per block, then folded into float32 accumulators.
+// per block, then folded into float32 accumulators. At one row a block's quads go to A = 4
+// separate sums, added at the end (integers: the same sum), so that vpdpbusd's
+// latency is not paid once per quad.
 template <int R, int kBits>
 void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
           const float* scales, const float* offsets, float* out, int64_t ldo, int64_t cols) {
   const int64_t blocks = K / kBlock;
   constexpr int kQuads = kBits == 4 ? 4 : 8;  // 4-byte groups of codes per block and column
+  constexpr int A = R == 1 ? 4 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(char(0x80));
   __m512 y_lo[R];
   __m256 y_hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) y_lo[r] = _mm512_setzero_ps(), y_hi[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i i_lo[R];
-    __m256i i_hi[R];
+    __m512i i_lo[R][A];
+    __m256i i_hi[R][A];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) i_lo[r] = _mm512_setzero_si512(), i_hi[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a)
+        i_lo[r][a] = _mm512_setzero_si512(), i_hi[r][a] = _mm256_setzero_si256();
     const uint8_t* block = codes + b * kQuads * kPanel * 4;
     // Adds quad j's products (k = 32 b + 4 j + i) of unsigned codes to every row's sums.
     const auto add = [&](__m512i lo, __m256i hi, int j) {
@@ -92,8 +98,8 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq.q.data() + (row0 + r) * K + b * kBlock + 4 * j, 4);
-        i_lo[r] = _mm512_dpbusd_epi32(i_lo[r], lo, _mm512_set1_epi32(four));
-        i_hi[r] = _mm256_dpbusd_epi32(i_hi[r], hi, _mm256_set1_epi32(four));
+        i_lo[r][j % A] = _mm512_dpbusd_epi32(i_lo[r][j % A], lo, _mm512_set1_epi32(four));
+        i_hi[r][j % A] = _mm256_dpbusd_epi32(i_hi[r][j % A], hi, _mm256_set1_epi32(four));
       }
     };
 #pragma GCC unroll 8
@@ -117,14 +123,19 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * blocks + b;
+#pragma GCC unroll 4
+      for (int a = 1; a < A; ++a) {
+        i_lo[r][0] = _mm512_add_epi32(i_lo[r][0], i_lo[r][a]);
+        i_hi[r][0] = _mm256_add_epi32(i_hi[r][0], i_hi[r][a]);
+      }
       if constexpr (kBits == 8) {
         const int32_t shift = 128 * xq.sum[at];
-        i_lo[r] = _mm512_sub_epi32(i_lo[r], _mm512_set1_epi32(shift));
-        i_hi[r] = _mm256_sub_epi32(i_hi[r], _mm256_set1_epi32(shift));
+        i_lo[r][0] = _mm512_sub_epi32(i_lo[r][0], _mm512_set1_epi32(shift));
+        i_hi[r][0] = _mm256_sub_epi32(i_hi[r][0], _mm256_set1_epi32(shift));
       }
       const __m512 d = _mm512_set1_ps(xq.d[at]), s = _mm512_set1_ps(xq.s[at]);
-      y_lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_lo[r]), _mm512_mul_ps(d, s_lo), y_lo[r]);
-      y_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_hi[r]),
+      y_lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_lo[r][0]), _mm512_mul_ps(d, s_lo), y_lo[r]);
+      y_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_hi[r][0]),
                                 _mm256_mul_ps(_mm512_castps512_ps256(d), s_hi), y_hi[r]);
       y_lo[r] = _mm512_fmadd_ps(o_lo, s, y_lo[r]);
       y_hi[r] = _mm256_fmadd_ps(o_hi, _mm512_castps512_ps256(s), y_hi[r]);

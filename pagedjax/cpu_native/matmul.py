@@ -58,8 +58,8 @@ class QuantizedWeight:
     PackedWeight:
 
     codes    [P, K / 2, 24] uint8 (4-bit, in GGUF's nibble order) or [P, K, 24] (8-bit: int8)
-    scales   [P, K / 32, 24] float32, one per 32 k and column
-    offsets  [P, K / 32, 24] float32
+    scales   [P, K / 32, 24] float16, one per 32 k and column (a GGUF's are float16 values)
+    offsets  [P, K / 32, 24] float16
     """
 
     codes: jax.Array
@@ -82,8 +82,12 @@ class QuantizedWeight:
 
     def take_columns(self, ids: jax.Array) -> jax.Array:  # [R] -> [R, K]
         panel, column = ids // PANEL, ids % PANEL
-        picked = (a[panel, :, column] for a in (self.codes, self.scales, self.offsets))
-        return widen_blocks(*picked, self.bits)
+        codes, scales, offsets = (
+            a[panel, :, column] for a in (self.codes, self.scales, self.offsets)
+        )
+        return widen_blocks(
+            codes, scales.astype(jnp.float32), offsets.astype(jnp.float32), self.bits
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -97,8 +101,8 @@ class Int8Weight:
     codes    [P, K / 32, Q, 24, 4] uint8: 8-bit (Q = 8): byte (b, j, c, i) is the int8 code of
              k = 32 b + 4 j + i; 4-bit (Q = 4): k = 32 b + 4 j + i in its low nibble and
              32 b + 4 (j + 4) + i in its high one
-    scales   [P, K / 32, 24] float32
-    offsets  [P, K / 32, 24] float32
+    scales   [P, K / 32, 24] float16
+    offsets  [P, K / 32, 24] float16
     """
 
     codes: jax.Array
@@ -225,6 +229,19 @@ def check_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bit
         raise ValueError(f"pack_blocks: codes {codes.shape}, scales {scales.shape}, bits {bits}")
 
 
+def half_panels(values: np.ndarray) -> jax.Array:
+    """Scales or offsets [K / 32, N] -> float16 panels [P, K / 32, 24], which must hold them
+    exactly (a GGUF's Q4_0, Q4_1 and Q8_0 blocks store float16s; Q4_0's -8 x scale is one)."""
+    values = np.asarray(values, np.float32)
+    half = values.astype(np.float16)
+    if not np.array_equal(half.astype(np.float32).view(np.uint32), values.view(np.uint32)):
+        raise ValueError(
+            "pack_blocks: scales and offsets must be float16 values (as a GGUF's Q4_0, Q4_1 "
+            "and Q8_0 blocks store them); pack the widened float32 weight instead"
+        )
+    return jax.device_put(panels(half))
+
+
 def pack_blocks(
     codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int
 ) -> QuantizedWeight:
@@ -234,8 +251,8 @@ def pack_blocks(
     n = scales.shape[1]
     return QuantizedWeight(
         jax.device_put(panels(np.asarray(codes).view(np.uint8))),
-        jax.device_put(panels(np.asarray(scales, np.float32))),
-        jax.device_put(panels(np.asarray(offsets, np.float32))),
+        half_panels(scales),
+        half_panels(offsets),
         n,
         bits,
     )
@@ -263,8 +280,8 @@ def pack_int8(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: 
     dot = np.ascontiguousarray(words.transpose(0, 1, 2, 4, 3))  # [P, K / 32, Q, 24, 4]
     return Int8Weight(
         jax.device_put(dot),
-        jax.device_put(panels(np.asarray(scales, np.float32))),
-        jax.device_put(panels(np.asarray(offsets, np.float32))),
+        half_panels(scales),
+        half_panels(offsets),
         scales.shape[1],
         bits,
     )

@@ -14,7 +14,7 @@
 // Inputs: x [M, K]; codes [P, K / 32, Q, 24, 4] ("dot panels", matmul.int8_panels): 8-bit,
 // Q = 8, byte (b, j, c, i) is column c's int8 code for k = 32 b + 4 j + i; 4-bit, Q = 4, the
 // byte holds k = 32 b + 4 j + i in its low nibble and 32 b + 4 (j + 4) + i in its high one;
-// scales, offsets [P, K / 32, 24]; attrs columns, bits. Output: [M, N].
+// scales, offsets [P, K / 32, 24] float16; attrs columns, bits. Output: [M, N].
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -74,7 +74,7 @@ inline float Fold(float y, int32_t isum, float d, float scale, float offset, flo
 // latency is not paid once per quad.
 template <int R, int kBits>
 void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
-          const float* scales, const float* offsets, float* out, int64_t ldo, int64_t cols) {
+          const uint16_t* scales, const uint16_t* offsets, float* out, int64_t ldo, int64_t cols) {
   const int64_t blocks = K / kBlock;
   constexpr int kQuads = kBits == 4 ? 4 : 8;  // 4-byte groups of codes per block and column
   constexpr int A = R == 1 ? 4 : 1;
@@ -116,10 +116,10 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
         add(_mm512_xor_si512(lo, bias), _mm256_xor_si256(hi, _mm512_castsi512_si256(bias)), j);
       }
     }
-    const __m512 s_lo = _mm512_loadu_ps(scales + b * kPanel);
-    const __m256 s_hi = _mm256_loadu_ps(scales + b * kPanel + 16);
-    const __m512 o_lo = _mm512_loadu_ps(offsets + b * kPanel);
-    const __m256 o_hi = _mm256_loadu_ps(offsets + b * kPanel + 16);
+    const __m512 s_lo = pagedjax::LoadHalf16(scales + b * kPanel);
+    const __m256 s_hi = pagedjax::LoadHalf8(scales + b * kPanel + 16);
+    const __m512 o_lo = pagedjax::LoadHalf16(offsets + b * kPanel);
+    const __m256 o_hi = pagedjax::LoadHalf8(offsets + b * kPanel + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * blocks + b;
@@ -163,7 +163,7 @@ inline __m256i Dot4(__m256i code, __m256i four) {
 
 template <int R, int kBits>
 void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
-          const float* scales, const float* offsets, float* out, int64_t ldo, int64_t cols) {
+          const uint16_t* scales, const uint16_t* offsets, float* out, int64_t ldo, int64_t cols) {
   const int64_t blocks = K / kBlock;
   constexpr int kQuads = kBits == 4 ? 4 : 8;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -210,8 +210,8 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
       const __m256 d = _mm256_set1_ps(xq.d[at]), s = _mm256_set1_ps(xq.s[at]);
 #pragma GCC unroll 3
       for (int c = 0; c < 3; ++c) {
-        const __m256 scale = _mm256_loadu_ps(scales + b * kPanel + 8 * c);
-        const __m256 offset = _mm256_loadu_ps(offsets + b * kPanel + 8 * c);
+        const __m256 scale = pagedjax::LoadHalf8(scales + b * kPanel + 8 * c);
+        const __m256 offset = pagedjax::LoadHalf8(offsets + b * kPanel + 8 * c);
         y[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_mul_ps(d, scale),
                                   y[r][c]);
         y[r][c] = _mm256_fmadd_ps(offset, s, y[r][c]);
@@ -230,7 +230,7 @@ constexpr int kRows = 2;
 #else  // portable loops
 template <int R, int kBits>
 void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
-          const float* scales, const float* offsets, float* out, int64_t ldo, int64_t cols) {
+          const uint16_t* scales, const uint16_t* offsets, float* out, int64_t ldo, int64_t cols) {
   const int64_t blocks = K / kBlock;
   constexpr int kQuads = kBits == 4 ? 4 : 8;
   for (int r = 0; r < R; ++r) {
@@ -252,8 +252,8 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
           }
       const int64_t at = (row0 + r) * blocks + b;
       for (int64_t c = 0; c < kPanel; ++c)
-        y[c] = Fold(y[c], isum[c], xq.d[at], scales[b * kPanel + c], offsets[b * kPanel + c],
-                    xq.s[at]);
+        y[c] = Fold(y[c], isum[c], xq.d[at], pagedjax::HalfToFloat(scales[b * kPanel + c]),
+                    pagedjax::HalfToFloat(offsets[b * kPanel + c]), xq.s[at]);
     }
     std::memcpy(out + r * ldo, y, cols * sizeof(float));
   }
@@ -261,8 +261,8 @@ void Tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
 constexpr int kRows = 1;
 #endif
 
-using TileFn = void (*)(const Quantized&, int64_t, int64_t, const uint8_t*, const float*,
-                        const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const Quantized&, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                        const uint16_t*, float*, int64_t, int64_t);
 
 template <int kBits, int... R>
 constexpr auto Tiles(std::integer_sequence<int, R...>) {
@@ -270,8 +270,8 @@ constexpr auto Tiles(std::integer_sequence<int, R...>) {
 }
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                          ffi::Buffer<ffi::F32> offsets, int64_t columns, int64_t bits,
+                          ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scales,
+                          ffi::Buffer<ffi::F16> offsets, int64_t columns, int64_t bits,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions(), s_dims = scales.dimensions();
   if (x_dims.size() != 2 || c_dims.size() != 5 || s_dims.size() != 3)
@@ -312,8 +312,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8Matmul, Int8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes, dot panels
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // offsets
                                   .Attr<int64_t>("columns")
                                   .Attr<int64_t>("bits")
                                   .Ret<ffi::Buffer<ffi::F32>>());

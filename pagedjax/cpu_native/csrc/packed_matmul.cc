@@ -25,7 +25,9 @@
 //
 // Inputs: x [M, K]; codes [P, K / 2, 24] (4-bit, in GGUF's order: byte 16 b + j holds k = 32 b + j
 // in its low nibble and 32 b + j + 16 in its high one) or [P, K, 24] (8-bit, two's complement);
-// scales, offsets [P, K / 32, 24]; attrs columns, bits.
+// scales, offsets [P, K / 32, 24] float16 (as the file stores them: batch-1 decode streams the
+// weights from memory, and float32 copies made them 0.75 instead of 0.625 bytes a 4-bit
+// weight); attrs columns, bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -196,17 +198,15 @@ ffi::Error GroupedPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
 }
 
 // scratch[k][c] = codes' weight at (k, c) for one panel, in float32.
-void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets, int64_t K,
+void WidenPanel(const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets, int64_t K,
                 int bits, float* scratch) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* scale = scales + b * kPanel;
-    const float* offset = offsets + b * kPanel;
+    const uint16_t* scale = scales + b * kPanel;
+    const uint16_t* offset = offsets + b * kPanel;
     float* out = scratch + b * kBlock * kPanel;
 #ifdef PAGEDJAX_AVX2
-    const __m256 s[3] = {_mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 8),
-                         _mm256_loadu_ps(scale + 16)};
-    const __m256 o[3] = {_mm256_loadu_ps(offset), _mm256_loadu_ps(offset + 8),
-                         _mm256_loadu_ps(offset + 16)};
+    const __m256 s[3] = {pagedjax::LoadHalf8(scale), pagedjax::LoadHalf8(scale + 8), pagedjax::LoadHalf8(scale + 16)};
+    const __m256 o[3] = {pagedjax::LoadHalf8(offset), pagedjax::LoadHalf8(offset + 8), pagedjax::LoadHalf8(offset + 16)};
     if (bits == 4) {
       const uint8_t* q = codes + b * (kBlock / 2) * kPanel;
       const __m256i low = _mm256_set1_epi32(0x0F);
@@ -236,7 +236,9 @@ void WidenPanel(const uint8_t* codes, const float* scales, const float* offsets,
             bits == 4 ? (codes[(b * kBlock / 2 + k % 16) * kPanel + c] >> (4 * (k / 16))) & 0x0F
                       : reinterpret_cast<const int8_t*>(codes)[(b * kBlock + k) * kPanel + c];
         // fma: the product is exact, so one rounding, as in the AVX2 path and the loader.
-        out[k * kPanel + c] = std::fma(static_cast<float>(code), scale[c], offset[c]);
+        out[k * kPanel + c] =
+            std::fma(static_cast<float>(code), pagedjax::HalfToFloat(scale[c]),
+                     pagedjax::HalfToFloat(offset[c]));
       }
 #endif
   }
@@ -258,8 +260,8 @@ __m256i Bytes(const uint8_t* q) {
 // accumulators' FMA latency bounds it; two panels at once, for six, spilled the scales and
 // offsets: slower on 4-bit codes, 7% faster on 8-bit.)
 template <int R, int kBits>
-void FusedTile(const float* x, int64_t ldx, const uint8_t* codes, const float* scales,
-               const float* offsets, int64_t K, float* out, int64_t ldo, int64_t cols) {
+void FusedTile(const float* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
+               const uint16_t* offsets, int64_t K, float* out, int64_t ldo, int64_t cols) {
   const __m256i low = _mm256_set1_epi32(0x0F);
   __m256 acc[R][3];
 #pragma GCC unroll 4
@@ -270,8 +272,8 @@ void FusedTile(const float* x, int64_t ldx, const uint8_t* codes, const float* s
     __m256 s[3], o[3];
 #pragma GCC unroll 3
     for (int c = 0; c < 3; ++c) {
-      s[c] = _mm256_loadu_ps(scales + b * kPanel + 8 * c);
-      o[c] = _mm256_loadu_ps(offsets + b * kPanel + 8 * c);
+      s[c] = pagedjax::LoadHalf8(scales + b * kPanel + 8 * c);
+      o[c] = pagedjax::LoadHalf8(offsets + b * kPanel + 8 * c);
     }
     const float* xb = x + b * kBlock;
     // acc[r][c] += x[r][k] * w[k][c], w[k][c] widened from code[c] (int32).
@@ -319,8 +321,8 @@ void FusedTile(const float* x, int64_t ldx, const uint8_t* codes, const float* s
   for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, tile[r], cols * sizeof(float));
 }
 
-using FusedTileFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*,
-                             int64_t, float*, int64_t, int64_t);
+using FusedTileFn = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*,
+                             const uint16_t*, int64_t, float*, int64_t, int64_t);
 // Up to 3 rows: at 4, the 12 accumulators, 6 scale and offset vectors and the temporaries
 // spill out of the 16 vector registers, and the fused tile is no faster than the scratch panel.
 constexpr int kFusedRows = 3;
@@ -345,7 +347,7 @@ __m512i Bytes16(const uint8_t* q) {
 // accumulator per row and column, k in order, an FMA per term. `cols[g]`: panel g's columns.
 template <int R, int G, int kBits>
 void FusedTile512(const float* x, int64_t ldx, const uint8_t* codes, int64_t code_stride,
-                  const float* scales, const float* offsets, int64_t scale_stride, int64_t K,
+                  const uint16_t* scales, const uint16_t* offsets, int64_t scale_stride, int64_t K,
                   float* out, int64_t ldo, const int64_t* cols) {
   const __m512i low_nibble = _mm512_set1_epi32(0x0F);
   const __m256i low_nibble8 = _mm256_set1_epi32(0x0F);
@@ -360,10 +362,10 @@ void FusedTile512(const float* x, int64_t ldx, const uint8_t* codes, int64_t cod
     __m256 s_hi[G], o_hi[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      const float* s = scales + g * scale_stride + b * kPanel;
-      const float* o = offsets + g * scale_stride + b * kPanel;
-      s_lo[g] = _mm512_loadu_ps(s), s_hi[g] = _mm256_loadu_ps(s + 16);
-      o_lo[g] = _mm512_loadu_ps(o), o_hi[g] = _mm256_loadu_ps(o + 16);
+      const uint16_t* s = scales + g * scale_stride + b * kPanel;
+      const uint16_t* o = offsets + g * scale_stride + b * kPanel;
+      s_lo[g] = pagedjax::LoadHalf16(s), s_hi[g] = pagedjax::LoadHalf8(s + 16);
+      o_lo[g] = pagedjax::LoadHalf16(o), o_hi[g] = pagedjax::LoadHalf8(o + 16);
     }
     const float* xb = x + b * kBlock;
     // Every row's accumulators += x[r][k] * w[k][.], panel g's weights widened from its codes.
@@ -430,9 +432,9 @@ void FusedTile512(const float* x, int64_t ldx, const uint8_t* codes, int64_t cod
   }
 }
 
-using FusedTile512Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*,
-                                const float*, int64_t, int64_t, float*, int64_t,
-                                const int64_t*);
+using FusedTile512Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t,
+                                const uint16_t*, const uint16_t*, int64_t, int64_t, float*,
+                                int64_t, const int64_t*);
 // At 1 row, 4 panels (8 accumulators); at 2 to 4 rows, 2 panels; then 1 panel up to 8 rows.
 constexpr int kFused512Rows = 8;
 template <int kBits>
@@ -445,8 +447,8 @@ constexpr int kFused512Panels[kFused512Rows + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1};
 
 // The fused tiles over all of x's M <= kFused512Rows rows: threads take ranges of panel groups.
 void FusedMatmul512(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
-                    const uint8_t* codes, int64_t code_stride, const float* scales,
-                    const float* offsets, int64_t scale_stride, int bits, float* out) {
+                    const uint8_t* codes, int64_t code_stride, const uint16_t* scales,
+                    const uint16_t* offsets, int64_t scale_stride, int bits, float* out) {
   const int G = kFused512Panels[M];
   const FusedTile512Fn tile = bits == 4 ? kFused512<4>[M] : kFused512<8>[M];
   const FusedTile512Fn single = bits == 4 ? FusedTile512<1, 1, 4> : FusedTile512<1, 1, 8>;
@@ -478,8 +480,8 @@ void FusedMatmul512(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K,
 #endif
 
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                               ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                               ffi::Buffer<ffi::F32> offsets, int64_t columns, int64_t bits,
+                               ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scales,
+                               ffi::Buffer<ffi::F16> offsets, int64_t columns, int64_t bits,
                                ffi::ResultBuffer<ffi::F32> out) {
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions(), s_dims = scales.dimensions();
   if (x_dims.size() != 2 || c_dims.size() != 3 || s_dims.size() != 3)
@@ -530,8 +532,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, QuantizedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // offsets
                                   .Attr<int64_t>("columns")
                                   .Attr<int64_t>("bits")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "float16.h"
 #include "parallel.h"
 #include "row_math.h"
 
@@ -104,16 +105,7 @@ inline float FromBits(uint32_t bits) {
 // Exact scalar conversions: the portable path, and the tails of the vector ones.
 inline float ToFloat(BFloat16 x) { return FromBits(uint32_t(x.bits) << 16); }
 
-inline float ToFloat(Float16 x) {
-  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16, exp = (x.bits >> 10) & 0x1F;
-  const uint32_t mantissa = x.bits & 0x3FF;
-  if (exp == 0) {  // zero or subnormal: mantissa * 2^-24, computed on normal float32s, which
-    const float f = float(mantissa) * 0x1p-24f;  // flush-to-zero modes leave alone
-    return sign ? -f : f;
-  }
-  const uint32_t biased = exp == 0x1F ? 0xFF : exp + (127 - 15);  // inf and NaN stay all ones
-  return FromBits(sign | biased << 23 | mantissa << 13);
-}
+inline float ToFloat(Float16 x) { return pagedjax::HalfToFloat(x.bits); }
 
 // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no inf; S.1111.111 is NaN.
 inline float ToFloat(Float8E4M3FN x) {

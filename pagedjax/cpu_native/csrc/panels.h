@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "float16.h"
 #include "parallel.h"
 
 namespace pagedjax {

@@ -15,6 +15,7 @@ runs plain arrays.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,8 @@ class QuantizedWeight:
     offsets  [P, K / 32, 24] float16
     """
 
+    TARGET: ClassVar[str] = QUANTIZED_TARGET  # the kernel that multiplies them
+
     codes: jax.Array
     scales: jax.Array
     offsets: jax.Array
@@ -70,7 +73,7 @@ class QuantizedWeight:
 
     def matmul(self, x: jax.Array) -> jax.Array:  # [M, K] float32 -> [M, N]
         out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
-        call = build.ffi_call(QUANTIZED_TARGET, out_shape)
+        call = build.ffi_call(self.TARGET, out_shape)
         return call(
             x.astype(jnp.float32),
             self.codes,
@@ -92,7 +95,7 @@ class QuantizedWeight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(QuantizedWeight):
     """A block-quantized [K, N] weight (w = code * scale + offset, per 32 k and column)
     multiplied with each row's activations quantized to int8 per 32 inputs, as llama.cpp does
     (`EngineConfig.int8_activations`; `csrc/int8_matmul.cc`). Codes in "dot panels", four
@@ -105,23 +108,7 @@ class Int8Weight:
     offsets  [P, K / 32, 24] float16
     """
 
-    codes: jax.Array
-    scales: jax.Array
-    offsets: jax.Array
-    columns: int = dataclasses.field(metadata=dict(static=True))
-    bits: int = dataclasses.field(metadata=dict(static=True))
-
-    def matmul(self, x: jax.Array) -> jax.Array:  # [M, K] float32 -> [M, N]
-        out_shape = jax.ShapeDtypeStruct((x.shape[0], self.columns), jnp.float32)
-        call = build.ffi_call(INT8_TARGET, out_shape)
-        return call(
-            x.astype(jnp.float32),
-            self.codes,
-            self.scales,
-            self.offsets,
-            columns=np.int64(self.columns),
-            bits=np.int64(self.bits),
-        )
+    TARGET: ClassVar[str] = INT8_TARGET
 
     def take_columns(self, ids: jax.Array) -> jax.Array:  # [R] -> [R, K], exact
         panel, column = ids // PANEL, ids % PANEL

@@ -19,10 +19,19 @@ import json, sys
 from pagedjax.cpu_native import build
 from pagedjax.llm import LLM
 from pagedjax.sampling_params import SamplingParams
+prompts = [[1, 5, 9, 2, 7], [3, 3, 4], [8] * 20]
+greedy = SamplingParams(temperature=0, max_tokens=12)
 llm = LLM(sys.argv[1], max_model_len=64, num_kv_blocks=16, block_size=8)
-outs = llm.generate([[1, 5, 9, 2, 7], [3, 3, 4]], SamplingParams(temperature=0, max_tokens=12),
-                    use_tqdm=False)
-print(json.dumps({"isa": build.isa(), "tokens": [o.outputs[0].token_ids for o in outs]}))
+tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+# Batch invariant: one request's sampled logprobs, bit for bit, alone and beside others.
+llm = LLM(sys.argv[1], max_model_len=64, num_kv_blocks=16, block_size=8, batch_invariant=True)
+sampling = SamplingParams(temperature=1.0, seed=5, logprobs=0, max_tokens=12, ignore_eos=True)
+def logprobs(outs):
+    c = outs[0].outputs[0]
+    return [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
+alone = logprobs(llm.generate(prompts[:1], sampling, use_tqdm=False))
+beside = logprobs(llm.generate(prompts, sampling, use_tqdm=False))
+print(json.dumps({"isa": build.isa(), "tokens": tokens, "invariant": alone == beside}))
 """
 
 
@@ -61,15 +70,16 @@ def test_a_level_this_machine_cannot_run_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.slow
-def test_every_level_gives_the_best_levels_tokens(tiny):
+def test_every_level_gives_the_best_levels_tokens_and_stays_invariant(tiny):
     """The engine forced to each lower level (a process each, as a user sets the variable)
-    gives the default level's greedy tokens on a tiny Llama."""
+    gives the default level's greedy tokens on a tiny Llama, and at every level the
+    batch-invariant engine gives a request's logprobs bit for bit alone and in a batch."""
     path = tiny("llama")[0]
     best = run_generate(path, None)
-    assert best["isa"] == build.levels()[0]
+    assert best["isa"] == build.levels()[0] and best["invariant"]
     for level in build.levels()[1:]:
         forced = run_generate(path, level)
-        assert forced == {"isa": level, "tokens": best["tokens"]}, level
+        assert forced == {"isa": level, "tokens": best["tokens"], "invariant": True}, level
 
 
 def test_int8_activations_need_the_cpus_kernels_and_float32(tiny):

@@ -27,6 +27,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_kv_scale_args(parser)
     _add_parallel_args(parser)
     _add_speculative_args(parser)
+    _add_int8_arg(parser)
+
+
+def _add_int8_arg(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        default=None,
+        help="CPU, GGUF Q4_0/Q4_1/Q8_0 weights: quantize activations to int8 as llama.cpp does "
+        "(faster; tokens may differ from float32)",
+    )
 
 
 def _speculative_config(text: str) -> dict:
@@ -106,6 +117,7 @@ def _make_llm(args: argparse.Namespace):
         "calculate_kv_scales",
         "kv_cache_scales",
         "speculative_config",
+        "int8_activations",
         *PARALLEL_OPTIONS,
     )
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -274,13 +286,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fail at start-up if the Pallas kernels fail, instead of running XLA's attention",
     )
-    engine.add_argument(
-        "--int8-activations",
-        action="store_true",
-        default=None,
-        help="CPU, GGUF Q4_0/Q4_1/Q8_0 weights: quantize activations to int8 as llama.cpp does "
-        "(faster; tokens may differ from float32)",
-    )
+    _add_int8_arg(engine)
     engine.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",

@@ -63,3 +63,5 @@ def test_generate_passes_dtype_and_gpu_memory_utilization_to_the_engine(tiny_mod
         cli.main([*argv, "--dtype", "int8"])
     with pytest.raises(SystemExit, match="pagedjax generate: gpu_memory_utilization must be"):
         cli.main([*argv, "--gpu-memory-utilization", "1.5"])
+    with pytest.raises(SystemExit, match="pagedjax generate: int8_activations=True multiplies"):
+        cli.main([*argv, "--int8-activations", "--dtype", "bfloat16"])

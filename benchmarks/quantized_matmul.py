@@ -5,7 +5,7 @@ and optionally the same kernel at a git revision, in one process, at the default
 
     python benchmarks/quantized_matmul.py [--rows 1] [--levels avx512 avx2] [--baseline-rev REV]
         [--repeats 15] [--shapes wqkv wo w_gate_up w_down lm_head]
-        [--smoke (the wo shape only, 2 weights, one timed chain)]
+        [--smoke (the wo shape only, 2 weights, one timed chain, the best level and int8)]
 
 The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
 engine's kernels at this machine's best level and registered under another FFI target. Each
@@ -105,8 +105,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="chains per timed repeat")
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     add_smoke_flag(parser)
-    if parser.parse_known_args()[0].smoke:  # the smallest shape: building the baseline is the test
-        parser.set_defaults(layers=2, repeats=1, iters=1, shapes=["wo"])
+    if parser.parse_known_args()[0].smoke:  # the smallest shape, one level and int8: that it runs
+        parser.set_defaults(
+            layers=2, repeats=1, iters=1, shapes=["wo"], levels=build.levels()[:1], int8=True
+        )
     args = parser.parse_args()
     assert build.available()
     levels = args.levels or build.levels()

@@ -9,7 +9,7 @@ expert on exactly its rows (the bound the packed matmul sets for the same work).
 
     python benchmarks/moe.py [--experts 8] [--top-k 2] [--hidden 512] [--expert-size 1024]
         [--layers 4] [--decode-rows 1 16 64 256] [--prefill 2048] [--repeats 7]
-        [--smoke (a tiny model, two shapes, two repeats)]
+        [--smoke (a tiny model, two shapes, one repeat)]
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main() -> None:
     add_smoke_flag(parser)
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(hidden=128, expert_size=128, layers=2, vocab=512, decode_rows=[8],
-                            context=32, prefill=64, repeats=2)  # fmt: skip
+                            context=32, prefill=64, repeats=1)  # fmt: skip
     args = parser.parse_args()
 
     import jax

@@ -175,7 +175,7 @@ def test_every_instruction_set_level_gives_the_same_bits(bits):
         packed, target = pack_blocks(codes, scales, offsets, bits), matmul.QUANTIZED_TARGET
         operands, attrs = (packed.codes, packed.scales, packed.offsets), {"bits": np.int64(bits)}
     x = jnp.asarray(rng.normal(size=(19, inner)).astype(np.float32))
-    for rows in (1, 2, 3, 4, 5, 8, 9, 19):
+    for rows in (1, 2, 4, 5, 9, 19):  # each level's tiles: fused 1-8 rows, then widened
         outs = {
             level: _at_level(target, level, columns, x[:rows], *operands, **attrs)
             for level in build.levels()

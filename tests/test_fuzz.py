@@ -15,7 +15,7 @@ from pagedjax.errors import InvalidRequestError
 from pagedjax.sampling_params import SamplingParams
 from tests.test_engine import make_engine
 
-NUM_WORKLOADS = int(__import__("os").environ.get("PAGEDJAX_FUZZ_WORKLOADS", 140))
+NUM_WORKLOADS = int(__import__("os").environ.get("PAGEDJAX_FUZZ_WORKLOADS", 100))
 MAX_PROMPT, MAX_OUTPUT = 24, 8
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 HOST_BYTES_PER_TOKEN = 2 * 3 * 32 * 4  # the tiny llama's K and V: 3 layers x 32 wide, float32

@@ -55,8 +55,9 @@ class EngineConfig:
     attention_backend: str | AttentionBackend = "auto"
     # Block-quantized weights (a GGUF's Q4_0, Q4_1, Q8_0) multiply each row's activations
     # quantized to int8 per 32 inputs, as llama.cpp does: integer dot products (AVX-512 VNNI,
-    # or AVX2), about twice as fast at a batch's rows, but not the float32 product, so greedy
-    # tokens may differ from transformers'. Still batch invariant. The CPU's C++ kernels only.
+    # or AVX2) do fewer operations than float32 FMAs, but the result is not the float32
+    # product, so greedy tokens may differ from transformers'. Still batch invariant. The
+    # CPU's C++ kernels only.
     int8_activations: bool = False
     # Every token's numerics independent of its batch, chunk, step and neighbours, as vLLM's
     # VLLM_BATCH_INVARIANT: logprobs do not change with load, and `LLM.dense_kernels()` lets

@@ -39,8 +39,8 @@ struct Quantized {
   std::vector<int32_t> sum;
 };
 
-// Quantizes row x [K] into blocks first..first + count of `out` (scalar: the same result at
-// every level, and a small part of a call: one pass over M x K floats).
+// Quantizes row x [K] into row `row` of `out` (scalar: the same result at every level, and a
+// small part of a call: one pass over M x K floats).
 void QuantizeRow(const float* x, int64_t K, Quantized& out, int64_t row) {
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {

@@ -435,17 +435,18 @@ void FusedTile512(const float* x, int64_t ldx, const uint8_t* codes, int64_t cod
 using FusedTile512Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t,
                                 const uint16_t*, const uint16_t*, int64_t, int64_t, float*,
                                 int64_t, const int64_t*);
-// At 1 row, 4 panels (8 accumulators); at 2 to 4 rows, 2 panels; then 1 panel up to 8 rows.
+// 4 to 8 rows (fewer take the AVX2 FusedTile, which is as fast there): at 4 rows 2 panels,
+// then 1 panel up to 8 rows.
 constexpr int kFused512Rows = 8;
 template <int kBits>
 constexpr FusedTile512Fn kFused512[kFused512Rows + 1] = {
-    nullptr,
-    FusedTile512<1, 4, kBits>, FusedTile512<2, 2, kBits>, FusedTile512<3, 2, kBits>,
+    nullptr, nullptr, nullptr, nullptr,
     FusedTile512<4, 2, kBits>, FusedTile512<5, 1, kBits>, FusedTile512<6, 1, kBits>,
     FusedTile512<7, 1, kBits>, FusedTile512<8, 1, kBits>};
-constexpr int kFused512Panels[kFused512Rows + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1};
+constexpr int kFused512Panels[kFused512Rows + 1] = {0, 0, 0, 0, 2, 1, 1, 1, 1};
 
-// The fused tiles over all of x's M <= kFused512Rows rows: threads take ranges of panel groups.
+// The fused tiles over all of x's kFusedRows < M <= kFused512Rows rows: threads take ranges
+// of panel groups.
 void FusedMatmul512(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                     const uint8_t* codes, int64_t code_stride, const uint16_t* scales,
                     const uint16_t* offsets, int64_t scale_stride, int bits, float* out) {

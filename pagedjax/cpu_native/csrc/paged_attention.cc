@@ -457,8 +457,8 @@ void AttendOne(const Step& st, int64_t s, int64_t h, int64_t index, Scratch& scr
 inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // out[d][t] = k[t][d] for t < count, d < D (a multiple of 8), zero for count <= t < the next
-// multiple of 8; out's rows are ldo apart. Whole 8 x 8 blocks by register shuffles: as scalar
-// copies the transpose took a third of a prefill tile's time for its scores.
+// multiple of 8; out's rows are ldo apart. Whole 8 x 8 blocks by register shuffles, since a
+// tile transposes every page it reads and scalar copies cost as much as a share of its matmul.
 inline void Transpose(const float* k, int64_t count, int64_t D, float* out, int64_t ldo) {
   int64_t t = 0;
 #ifdef PAGEDJAX_AVX2

@@ -159,12 +159,19 @@ def test_async_llm_updates_weights_between_steps(model, llm):
     long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     async def run() -> list[int]:
+        # Sleep is asked for right after the add is queued, 12 steps before it can finish.
+        running = engine.generate({"prompt_token_ids": PROMPTS[1]}, long, "b")
+        first = asyncio.ensure_future(anext(running))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="unfinished"):
+            await engine.sleep()
+        await first
+        async for _ in running:
+            pass
         final = None
         async for output in engine.generate({"prompt_token_ids": PROMPTS[0]}, long, "a"):
             if len(output.outputs[0].token_ids) == 3:
                 await engine.update_weights(other)
-                with pytest.raises(ValueError, match="unfinished"):
-                    await engine.sleep()
             final = output
         return list(final.outputs[0].token_ids)
 

@@ -649,7 +649,7 @@ class Check:
     def stage_kernel_tests(self, limit: float) -> dict:
         xml, log = self.out / "kernel_tests.xml", self.out / "kernel_tests.log"
         cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py",
-               "tests/test_grouped_matmul.py", "-v",
+               "tests/test_grouped_matmul.py", "tests/test_mosaic_decode.py", "-v",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "--durations=10",
                "-o", "faulthandler_timeout=60"]  # fmt: skip
         if importlib.util.find_spec("pytest_timeout"):  # fails a stuck test, the run goes on

@@ -8,9 +8,10 @@
 #   env           versions, nvidia-smi, jax.devices()
 #   memory        gpu_memory_utilization=0.9 as the allocator's limit in a fresh process
 #   smoke         8 kernel cases compiled, one process each, against the oracle
-#   kernel_tests  tests/test_pallas_kernels.py compiled
+#   kernel_tests  tests/test_pallas_kernels.py, test_grouped_matmul.py, test_mosaic_decode.py
+#                 compiled
 #   bench         benchmarks/paged_kernels.py --quick --large-pool: vs JAX's bundled paged attention
-#                 and a device copy
+#                 and a device copy; the Mosaic GPU decode kernel beside the Triton one
 #   engine        a tiny random Llama, Pallas backend, greedy tokens against transformers
 #   host          the engine's host cost per decode step at 256 rows, 1 and 8 steps per dispatch
 #   moe           a tiny gpt-oss through the engine vs transformers; benchmarks/moe.py: a mixture

@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from report import add_smoke_flag, results_dir  # noqa: E402  (the script's own directory)
 
+from kernels_pallas.backend import AttentionSpec  # noqa: E402
 from kernels_pallas.decode_attention import (  # noqa: E402
     DecodeConfig,
     choose_num_splits,
@@ -48,6 +49,10 @@ from kernels_pallas.decode_attention import (  # noqa: E402
 )
 from kernels_pallas.kv_cache import KVCache  # noqa: E402
 from kernels_pallas.metadata import AttentionMetadata, build_metadata  # noqa: E402
+from kernels_pallas.mosaic_decode_attention import (  # noqa: E402
+    PALLAS_MOSAIC,
+    mosaic_decode_attention_kernel,
+)
 from kernels_pallas.paged_attention import paged_attention  # noqa: E402
 from kernels_pallas.ragged_paged_attention import RaggedConfig  # noqa: E402
 from kernels_pallas.reference import ragged_paged_attention  # noqa: E402
@@ -299,6 +304,13 @@ def bundled_peer(
     return fn, (q, k_pages, v_pages, tables, lengths)
 
 
+def mosaic_runs(kv_dtype: jnp.dtype | type) -> bool:
+    """Whether the Mosaic GPU decode kernel runs this pool here (compiled on Hopper, or in
+    Mosaic GPU's interpret mode on jax >= 0.11)."""
+    spec = AttentionSpec(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, jnp.dtype(kv_dtype).name, BLOCK_SIZE)
+    return PALLAS_MOSAIC.supports(spec) is None
+
+
 def run_case(
     name: str,
     seqs: list[tuple[int, int]],
@@ -338,6 +350,13 @@ def run_case(
                 q, c, LAYER, m, scale=scale, decode_only=True, k_scale=k_scale, v_scale=k_scale
             )
         )
+    if decode and mosaic_runs(kv_dtype):  # the Triton split-K kernel's successor
+        candidates["pallas_mosaic_split_k"] = jax.jit(
+            lambda q, c, m: paged_attention(
+                q, c, LAYER, m, scale=scale, decode_only=True,
+                decode_kernel=mosaic_decode_attention_kernel,
+            )
+        )  # fmt: skip
     if with_peers:  # tuning candidates: num_stages 3 double-buffers the KV tiles
         for label, config in TUNING_VARIANTS["decode" if decode else "ragged"].items():
             configs = {"decode_config" if decode else "ragged_config": config}

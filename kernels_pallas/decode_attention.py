@@ -271,10 +271,25 @@ def decode_attention_kernel(
         interpret=interpret,
         name="decode_attention_split_k",
     )
+    return finish_splits(acc, m, denom, sinks, scales[1][layer], q)
+
+
+def finish_splits(
+    acc: jax.Array,  # [S, Hkv, splits, M, D] float32: each split's unnormalised partial
+    m: jax.Array,  # [S, Hkv, splits, M]
+    denom: jax.Array,  # [S, Hkv, splits, M]
+    sinks: jax.Array | None,  # [Hq] float32 sink logits (gpt-oss)
+    v_scales: jax.Array,  # [Hkv] the V pool's dequantisation scale
+    q: jax.Array,  # [S, Hq, D]: the result's shape and dtype
+) -> jax.Array:  # [S, Hq, D]
+    """A split-K kernel's partials merged into each query head's output: the M rows of a KV
+    head are its G query heads, then padding."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, rows = m.shape[1], m.shape[3]
+    group = num_q_heads // num_kv_heads
     if sinks is not None:  # [Hq] -> [1, Hkv, 1, M], the padded rows' 0 unread
         sinks = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group),
                         ((0, 0), (0, rows - group)))[None, :, None, :]  # fmt: skip
     out = merge_splits(acc, m, denom, sinks)  # [S, Hkv, M, D]
-    v_scales = scales[1][layer]  # [Hkv]
     out = out[:, :, :group] * v_scales[None, :, None, None]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,7 @@ def paged_attention(
     ragged_config: RaggedConfig = DEFAULT_RAGGED_CONFIG,
     decode_config: DecodeConfig = DEFAULT_DECODE_CONFIG,
     sinks: jax.Array | None = None,
+    decode_kernel: Callable[..., jax.Array] = decode_attention_kernel,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype; padding tokens get 0
     """Causal attention of each new token over its sequence's paged context (see reference).
 
@@ -112,7 +114,8 @@ def paged_attention(
     the ragged kernel (decode_only is ignored, no split-K), so its result is the same bits
     whatever the step's batch: its KV tiles start at fixed positions and are summed in order,
     and a row's dots and softmax never mix with other rows'. `sinks` [Hq]: a logit per head
-    in every softmax that no value goes with (gpt-oss).
+    in every softmax that no value goes with (gpt-oss). `decode_kernel`: the split-K kernel,
+    `decode_attention_kernel`'s signature (Triton's, or Mosaic GPU's).
     """
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = cache.k.shape[1]
@@ -135,11 +138,12 @@ def paged_attention(
 
     def ragged(q):
         if not invariant and _routes_long_rows(cache, metadata, decode_config):
-            return _mixed(q, *operands, configs=(ragged_config, decode_config), **static)
+            configs = (ragged_config, decode_config)
+            return _mixed(q, *operands, configs=configs, decode_kernel=decode_kernel, **static)
         return _ragged(q, *operands, config=ragged_config, **static)
 
     def decode(q):
-        return _decode(q, *operands, config=decode_config, **static)
+        return _decode(q, *operands, config=decode_config, decode_kernel=decode_kernel, **static)
 
     if invariant:
         return ragged(q)
@@ -176,7 +180,9 @@ def _routes_long_rows(cache: KVCache, metadata: AttentionMetadata, config: Decod
     return config.mixed_long_rows > 0 and max_context >= 2 * config.min_tokens_per_split
 
 
-def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, configs, **static):
+def _mixed(
+    q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, configs, decode_kernel, **static
+):
     """The ragged kernel on the step, but for its first `mixed_long_rows` decode rows of at
     least 2 x min_tokens_per_split positions: those run split-K, and the ragged kernel sees
     them as one-position contexts (cheap; their output is replaced)."""
@@ -194,7 +200,7 @@ def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, config
     real = rows < num_seqs
     row = jnp.minimum(rows, num_seqs - 1)
     token = qsl[row]  # [R] each long row's one new token
-    long_out = decode_attention_kernel(
+    long_out = decode_kernel(
         q[token],
         cache.k,
         cache.v,
@@ -211,13 +217,13 @@ def _mixed(q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, config
     return out.at[jnp.where(real, token, num_tokens)].set(long_out, mode="drop")
 
 
-def _decode(q, cache, layer, metadata, window, k_scale, v_scale, sinks, **static):
+def _decode(q, cache, layer, metadata, window, k_scale, v_scale, sinks, *, decode_kernel, **static):
     """The split-K kernel on each sequence's one new token, scattered back to the flat batch."""
     num_tokens = q.shape[0]
     qsl = metadata.query_start_loc
     has_query = qsl[1:] > qsl[:-1]  # [S]
     token = jnp.clip(qsl[:-1], 0, num_tokens - 1)
-    out = decode_attention_kernel(
+    out = decode_kernel(
         q[token],
         cache.k,
         cache.v,

@@ -19,6 +19,8 @@ BACKENDS = {
     "reference": "kernels_pallas.reference:REFERENCE",
     "xla": "kernels_pallas.xla_attention:XLA",
     "pallas": "kernels_pallas.paged_attention:PALLAS",
+    # The Pallas backend with its decode kernel on Mosaic GPU (Hopper), not yet chosen by auto.
+    "pallas_mosaic": "kernels_pallas.mosaic_decode_attention:PALLAS_MOSAIC",
     "cpu_native": "pagedjax.cpu_native.attention:CPU_NATIVE",
 }
 

@@ -463,17 +463,9 @@ SMOLLM2 = ModelConfig(
 )
 
 
-@pytest.mark.parametrize(
-    "num_tokens,num_seqs,kv_dtype,kernels",
-    [(1, 1, jnp.float32, 3), (128, 128, jnp.bfloat16, 3), (512, 128, jnp.float32, 2)],
-    ids=["decode-bucket", "square-bucket-bf16-pool", "mixed-bucket"],
-)
-def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, kv_dtype, kernels):
-    """The whole GPU step, as the runner traces it on a GPU (float32 stacked weights, the
-    Pallas kernels inside the layer scan, a traced layer index), lowers for CUDA. A mixed step
-    at this table width (2,048 tokens) runs the ragged kernel and the split-K kernel for its
-    long decode rows; buckets with as many tokens as sequences hold those and the decode-only
-    split-K kernel behind the decode-only dispatch."""
+def lower_smollm2_step(num_tokens: int, num_seqs: int, kv_dtype, attention):
+    """The GPU step of SMOLLM2's shapes (4,096 pages of 16, a 2,048-token table width) with
+    `attention`, lowered for an sm_90 GPU."""
     c, width = SMOLLM2, 2048 // 16
     f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -500,12 +492,27 @@ def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, k
         num_tokens=i32(()),
     )
     tokens = i32((num_tokens,))
-    attention = functools.partial(paged_attention, interpret=False)
     with cuda_target(90):
         traced = forward_logits_jit.trace(
             params, c, tokens, tokens, KVCache(pool, pool), metadata, i32((num_seqs,)), attention
         )
-        lowered = traced.lower(lowering_platforms=("cuda",))
+        return traced.lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_seqs,kv_dtype,kernels",
+    [(1, 1, jnp.float32, 3), (128, 128, jnp.bfloat16, 3), (512, 128, jnp.float32, 2)],
+    ids=["decode-bucket", "square-bucket-bf16-pool", "mixed-bucket"],
+)
+def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, kv_dtype, kernels):
+    """The whole GPU step, as the runner traces it on a GPU (float32 stacked weights, the
+    Pallas kernels inside the layer scan, a traced layer index), lowers for CUDA. A mixed step
+    at this table width (2,048 tokens) runs the ragged kernel and the split-K kernel for its
+    long decode rows; buckets with as many tokens as sequences hold those and the decode-only
+    split-K kernel behind the decode-only dispatch."""
+    attention = functools.partial(paged_attention, interpret=False)
+    lowered = lower_smollm2_step(num_tokens, num_seqs, kv_dtype, attention)
+    pool = jax.ShapeDtypeStruct((SMOLLM2.num_layers, 3, 4096, 16, 64), kv_dtype)
     targets = triton_call_targets(lowered)
     assert len(targets) == kernels, targets
     # The pool is donated: both its arrays alias outputs, so the GPU step writes in place.

@@ -8,11 +8,16 @@ Interpret mode needs jax >= 0.11: CI runs this file in its jax 0.11 environment 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from attention_cases import assert_matches, expected, make_case
+from conftest import build_tiny_tokenizer
+from safetensors.numpy import save_file
 
 from kernels_pallas.decode_attention import DecodeConfig
 from kernels_pallas.mosaic_decode_attention import (
@@ -22,6 +27,7 @@ from kernels_pallas.mosaic_decode_attention import (
     supports_mosaic_decode,
 )
 from kernels_pallas.paged_attention import paged_attention, resolve_interpret
+from pagedjax import LLM, SamplingParams
 from pagedjax.attention import get_backend
 from tests.test_pallas_kernels import lower_smollm2_step, triton_call_targets
 
@@ -122,6 +128,76 @@ def test_the_engine_step_lowers_with_the_kernel_in_its_layer_scan():
     lowered = lower_smollm2_step(128, 128, jnp.bfloat16, attention)
     assert not triton_call_targets(lowered)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+LLAMA_CONFIG = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
+    intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, dtype="float32",
+)  # fmt: skip
+
+
+def write_tiny_llama(path: Path) -> None:
+    """A random Llama checkpoint of head_dim 64 written with numpy (this file also runs where
+    torch is not installed), with conftest's word-level tokenizer."""
+    rng = np.random.default_rng(0)
+    c = LLAMA_CONFIG
+    hidden, inner, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q_size, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden),
+              "lm_head.weight": (c["vocab_size"], hidden), "model.norm.weight": None}  # fmt: skip
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "input_layernorm.weight": None,
+            layer + "post_attention_layernorm.weight": None,
+            layer + "self_attn.q_proj.weight": (q_size, hidden),
+            layer + "self_attn.k_proj.weight": (kv, hidden),
+            layer + "self_attn.v_proj.weight": (kv, hidden),
+            layer + "self_attn.o_proj.weight": (hidden, q_size),
+            layer + "mlp.gate_proj.weight": (inner, hidden),
+            layer + "mlp.up_proj.weight": (inner, hidden),
+            layer + "mlp.down_proj.weight": (hidden, inner),
+        }
+    tensors = {
+        name: np.ones(hidden, np.float32)
+        if shape is None
+        else (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        for name, shape in shapes.items()
+    }
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    build_tiny_tokenizer(c["vocab_size"]).save_pretrained(path)
+
+
+@needs_interpret
+def test_the_engine_on_a_bf16_pool_gives_the_reference_backends_tokens(tmp_path):
+    """The engine with "pallas_mosaic" (its decode-only steps on this kernel, its prefills on
+    the ragged one) and with "reference", on the same bfloat16 pool: the same greedy tokens."""
+    write_tiny_llama(tmp_path / "llama")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (70, 9, 130)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    settings = dict(kv_cache_dtype="bfloat16", max_model_len=256, num_kv_blocks=64, max_num_seqs=4)
+
+    flags = []
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(str(tmp_path / "llama"), attention_backend=backend, **settings)
+        runner = llm.llm_engine.engine_core.worker.runner
+        forward = runner._forward
+
+        def spy(*args, decode_only=None):  # what each step told the backend
+            flags.append(decode_only)
+            return forward(*args, decode_only=decode_only)
+
+        runner._forward = spy
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    assert tokens("pallas_mosaic") == tokens("reference")
+    assert True in flags and False in flags  # decode-only steps, and prefills
 
 
 def test_the_backend_says_what_it_does_not_run():

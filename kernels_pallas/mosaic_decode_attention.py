@@ -6,13 +6,13 @@ grid's static split bound from occupancy, each sequence's own visible tiles cut 
 by `split_tiles`, the partials merged by `merge_splits`), and differs in how a program moves
 and multiplies its data:
 
-- KV pages reach shared memory by TMA, one copy per page of the tile (the block table read
-  as scalars from global memory), into `num_stages` rotating buffers: the next tiles' copies
-  are in flight while this one is multiplied.
+- KV pages reach shared memory by TMA, one copy per page of the tile, or per 64-token part of
+  a larger page (the block table read as scalars from global memory), into `num_stages`
+  rotating buffers: the next tiles' copies are in flight while this one is multiplied.
 - The dots are warpgroup MMAs (`wgmma`): a program's query rows (the G query heads of its KV
   head) are padded to wgmma's 64 rows, Q @ K^T accumulates [64, KT] in registers, and
   P @ V reads P from shared memory (written there as the pool's dtype).
-- One warpgroup per program; the partial (acc, max, sum) leaves through shared memory by TMA.
+- One warpgroup per program; the partial (acc, max, sum) is stored from registers.
 
 Grid: (S, Hkv, num_splits). Pools of bfloat16 or float16 only (`supports_mosaic_decode`):
 float32 would need tf32 dots (not the exact float32 of the Triton kernel's FMA dots) and fp8
@@ -43,8 +43,10 @@ from kernels_pallas.paged_attention import DEFAULT_DECODE_CONFIG, PALLAS, paged_
 from kernels_pallas.pallas_common import in_place_num_blocks
 
 ROWS = 64  # a warpgroup MMA's rows: the query heads of one KV head, padded
-SWIZZLE = 128  # bytes: the widest shared-memory swizzle, what wgmma reads fastest
 KV_DTYPES = ("bfloat16", "float16")
+# The shared-memory layout wgmma reads fastest: a 128-byte swizzle, rows of 64 2-byte elements
+# (Q, K, V and P all have minor dimensions that are multiples of 64).
+SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # Bytes of shared memory a program may take: Hopper's 227 KiB per block, less the barriers'.
 SMEM_BUDGET = 224 * 1024
 
@@ -62,8 +64,7 @@ def supports_mosaic_decode(
         return f"the Mosaic GPU decode kernel reads {' or '.join(KV_DTYPES)} pools, not {kv_dtype}"
     if num_q_heads // num_kv_heads > ROWS:
         return f"more than {ROWS} query heads per KV head"
-    # A 128-byte swizzle is 64 half-precision elements: rows of whole swizzle groups.
-    if head_dim % 64:
+    if head_dim % 64:  # rows of whole swizzle groups (SWIZZLED)
         return f"head_dim {head_dim} is not a multiple of 64"
     if head_dim > 256:  # a warpgroup MMA's widest N (P @ V's columns)
         return f"head_dim {head_dim} is over 256"
@@ -87,13 +88,6 @@ def mosaic_tiling(head_dim: int, config: DecodeConfig) -> tuple[int, int]:
     while _smem_bytes(head_dim, kv_tile, num_stages) > SMEM_BUDGET and num_stages > 2:
         num_stages -= 1
     return kv_tile, num_stages
-
-
-def _transforms(minor: int, dtype: jnp.dtype) -> tuple:
-    """Shared-memory tiling and swizzle for a [rows, minor] buffer that wgmma reads."""
-    swizzle = min(SWIZZLE, minor * jnp.dtype(dtype).itemsize)
-    tile = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle)
 
 
 def _mma(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
@@ -278,7 +272,6 @@ def mosaic_decode_attention_kernel(
     )
     partial_shape = (num_seqs, num_kv_heads, num_splits, ROWS)
     copies = kv_tile // min(block_size, kv_tile)
-    rows_of_d = _transforms(head_dim, dtype)
     acc, m, denom = plgpu.kernel(
         kernel,
         out_type=(
@@ -287,10 +280,10 @@ def mosaic_decode_attention_kernel(
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ),
         scratch_types=(
-            plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows_of_d),
-            plgpu.SMEM((num_stages, kv_tile, head_dim), dtype, transforms=rows_of_d),
-            plgpu.SMEM((num_stages, kv_tile, head_dim), dtype, transforms=rows_of_d),
-            plgpu.SMEM((ROWS, kv_tile), dtype, transforms=_transforms(kv_tile, dtype)),
+            plgpu.SMEM((ROWS, head_dim), dtype, transforms=SWIZZLED),
+            plgpu.SMEM((num_stages, kv_tile, head_dim), dtype, transforms=SWIZZLED),
+            plgpu.SMEM((num_stages, kv_tile, head_dim), dtype, transforms=SWIZZLED),
+            plgpu.SMEM((ROWS, kv_tile), dtype, transforms=SWIZZLED),
             plgpu.Barrier(),
             plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),

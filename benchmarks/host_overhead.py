@@ -174,8 +174,14 @@ def host_only(args) -> None:
     rng = np.random.default_rng(0)
     words = None  # ids of ordinary text: no newline, so the stop string never ends a request
 
-    def no_forward(params, token_ids, positions, kv_cache, *args, **options):
-        return None, kv_cache
+    class NoForward:
+        """forward_step's stub: the step's inputs are packed as for a real one."""
+
+        def __call__(self, params, packed, previous, kv_cache, **options):
+            return None, kv_cache
+
+        def _cache_size(self) -> int:
+            return 0
 
     def random_tokens(logits, meta, *args, **options):
         rows = meta.temperature.shape[0]
@@ -186,15 +192,15 @@ def host_only(args) -> None:
     class RandomSteps:
         """decode_steps' stub: [num_steps, rows] random tokens."""
 
-        def __call__(self, *arrays, num_steps: int, **options):
-            rows = arrays[7].shape[0]  # the logits rows
+        def __call__(self, params, packed, previous, kv_cache, meta, num_steps: int, **options):
+            rows = meta.temperature.shape[0]  # the logits rows
             tokens = rng.choice(words, (num_steps, rows)).astype(np.int32)
-            return tokens, np.ones((num_steps, rows), bool), None, arrays[5]  # the pool
+            return tokens, np.ones((num_steps, rows), bool), None, kv_cache
 
         def _cache_size(self) -> int:
             return 0
 
-    real_sample, real_steps = model_runner.sample, model_runner.decode_steps
+    real = model_runner.sample, model_runner.decode_steps, model_runner.forward_step
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
@@ -215,7 +221,7 @@ def host_only(args) -> None:
             words = np.array([i for i in ids if "\n" not in decode([i])])
         # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
         model_runner.sample, model_runner.decode_steps = random_tokens, RandomSteps()
-        engine.engine_core.worker.runner._forward = no_forward
+        model_runner.forward_step = NoForward()
         # As many tokens per row as one step per dispatch: fewer dispatches of several.
         warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
         start_requests(llm, args.running, warm_steps + args.steps + 16, greedy, output_kind=kind)
@@ -259,7 +265,7 @@ def host_only(args) -> None:
             result[f"{name}_us_per_token_step_median"] = 1e6 * median / token_steps
             core_median = statistics.median(core_times)
             result[f"{name}_core_us_per_token_step_median"] = 1e6 * core_median / token_steps
-        model_runner.sample, model_runner.decode_steps = real_sample, real_steps
+        model_runner.sample, model_runner.decode_steps, model_runner.forward_step = real
         del llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)
 

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.kv_cache import PAD_SLOT, copy_blocks
-from kernels_pallas.metadata import AttentionMetadata
 from models.llama import forward_logits
 from models.tensor_parallel import TensorParallel
 from pagedjax.sampler import SamplingKernels, SamplingMetadata, TokenLogprobs, sample
+from pagedjax.worker.step_inputs import StepLayout, unpack
 
 
 def model_step(
@@ -73,24 +73,24 @@ def _with_previous(token_ids: jax.Array, sources: jax.Array, previous: jax.Array
 
 @partial(
     jax.jit,
-    static_argnames=("config", "attention_fn", "decode_only", "tp"),
+    static_argnames=("layout", "config", "attention_fn", "decode_only", "tp"),
     donate_argnames=("kv_cache",),
 )
 def forward_step(
     params,
-    token_ids,  # [T] int32
-    sources,  # [T] int32: -1, or the index in `previous` of the sample this token is
+    # int32, the step's one host-to-device copy: step_inputs.pack of (token_ids [T], sources
+    # [T] (-1, or the index in `previous` of the sample a token is), positions [T], metadata
+    # (AttentionMetadata), logits rows [R], copy-on-write pairs [C, 2])
+    packed,
     previous,  # [P] int32: the previous step's sampled tokens (async scheduling)
-    positions,
     kv_cache,
-    metadata,
-    rows,
-    copies,
+    layout: StepLayout,
     config,
     attention_fn,
     decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
     tp: TensorParallel | None = None,  # the tensor-parallel group, None for one device
 ):
+    token_ids, sources, positions, metadata, rows, copies = unpack(packed, layout)
     token_ids = _with_previous(token_ids, sources, previous)
     inputs = (token_ids, positions, metadata, rows, copies)
     return _run_model(params, kv_cache, inputs, config, attention_fn, decode_only, tp)
@@ -99,6 +99,7 @@ def forward_step(
 @partial(
     jax.jit,
     static_argnames=(
+        "layout",
         "config",
         "attention_fn",
         "decode_only",
@@ -115,17 +116,17 @@ def forward_step(
 )
 def decode_steps(
     params,
-    token_ids,  # [T] int32: each sequence's last token (sequence t is token t)
-    sources,  # [T] int32: as forward_step's
+    # int32, one host-to-device copy: step_inputs.pack of (token_ids [T] (each sequence's last
+    # token, sequence t is token t), sources [T] (as forward_step's), positions [T] (the last
+    # tokens'), metadata (the first step's: one token per sequence), rows [R] (the logits
+    # rows, row r is sequence r), copies [C, 2], limits [T] (the steps each sequence takes, its
+    # length limit; 0 for padding))
+    packed,
     previous,  # [P] int32
-    positions,  # [T] int32: the last tokens' positions
     kv_cache,
-    metadata: AttentionMetadata,  # the first step's: one token per sequence
-    rows,  # [R] int32: the logits rows, row r is sequence r
-    copies,
-    limits,  # [T] int32: the steps each sequence takes (its length limit), 0 for padding
     meta: SamplingMetadata,  # [R] rows; steps counts the first step's draw
     *,
+    layout: StepLayout,
     config,
     attention_fn,
     decode_only,
@@ -147,6 +148,7 @@ def decode_steps(
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
     Every draw is the one a single step would make (its key counts the row's tokens); with
     penalties, each step's token joins the row's output history on the device."""
+    token_ids, sources, positions, metadata, rows, copies, limits = unpack(packed, layout)
     token_ids = _with_previous(token_ids, sources, previous)
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)

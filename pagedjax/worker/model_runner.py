@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ from pagedjax.worker.draft_model import (
 )
 from pagedjax.worker.host_kv import HostKV
 from pagedjax.worker.lora_slots import LoRASlots
+from pagedjax.worker.step_inputs import pack
 
 logger = logging.getLogger(__name__)
 
@@ -392,13 +394,23 @@ class ModelRunner:
             return allocate()
         return jax.jit(allocate, out_shardings=self._pool_sharding)()
 
+    @property
+    def _step_sharding(self) -> jax.sharding.Sharding | None:
+        """Where the step's small arrays live: replicated over a tensor-parallel group, else
+        the pool's device (None: the default device)."""
+        if self.tp is not None:
+            return jax.sharding.NamedSharding(self.tp.mesh, P())
+        return self._pool_sharding
+
+    def _put(self, tree: Any) -> Any:
+        """Host arrays sent to the step's devices now. The sampler always gets its arrays
+        this way: arguments placed alike are one compiled variant."""
+        return jax.device_put(tree, self._step_sharding)
+
     def _place(self, array: jax.Array) -> jax.Array:
         """A small array the step reads, on the step's devices (replicated over a group)."""
-        if self.tp is not None:
-            return jax.device_put(array, jax.sharding.NamedSharding(self.tp.mesh, P()))
-        if self._pool_sharding is not None:
-            return jax.device_put(array, self._pool_sharding)
-        return array
+        sharding = self._step_sharding
+        return array if sharding is None else jax.device_put(array, sharding)
 
     def _forward(
         self,
@@ -413,21 +425,26 @@ class ModelRunner:
         previous,
         decode_only: bool | None = None,
     ):
+        inputs = (token_ids, sources, positions, metadata, rows, copies)
+        model = (self.model_config, self.attention, decode_only, self.tp)
+        return self._forward_packed(params, kv_cache, inputs, previous, *model)
+
+    def _forward_packed(
+        self, params, kv_cache, inputs, previous, config, attention, decode_only, tp
+    ):
+        """`forward_step` on `inputs` packed into one host array (`step_inputs`)."""
+        packed, layout = pack(inputs)
         return self._compiled(
             forward_step,
             params,
-            token_ids,
-            sources,
+            packed,
             previous,
-            positions,
             kv_cache,
-            metadata,
-            rows,
-            copies,
-            config=self.model_config,
-            attention_fn=self.attention,
+            layout=layout,
+            config=config,
+            attention_fn=attention,
             decode_only=decode_only,
-            tp=self.tp,
+            tp=tp,
         )
 
     def _compiled(self, function, *args, **kwargs):
@@ -443,21 +460,11 @@ class ModelRunner:
         draft = self.draft
         if not draft.attention.has_decode_kernel:
             decode_only = None
-        _, self.draft_cache = self._compiled(
-            forward_step,
-            draft.params,
-            tokens,
-            sources,
-            previous,
-            positions,
-            self.draft_cache,
-            metadata,
-            np.zeros(1, np.int32),
-            copies,
-            config=draft.config,
-            attention_fn=draft.attention,
-            decode_only=decode_only,
-        )
+        inputs = (tokens, sources, positions, metadata, np.zeros(1, np.int32), copies)
+        _, self.draft_cache = self._forward_packed(
+            draft.params, self.draft_cache, inputs, previous, draft.config, draft.attention,
+            decode_only, None,
+        )  # fmt: skip
 
     def _draft_chain(
         self, drafted, tokens, sources, metadata, previous, copies
@@ -776,9 +783,10 @@ class ModelRunner:
         keyword left to its default would be another compilation)."""
         params, tokens, sources, previous, positions, metadata, copies, limits = inputs
         rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
-        args = (params, tokens, sources, previous, positions, self.kv_cache, metadata)
-        args += (rows, copies, limits, meta)
+        packed, layout = pack((tokens, sources, positions, metadata, rows, copies, limits))
+        args = (params, packed, previous, self.kv_cache, meta)
         options = dict(
+            layout=layout,
             config=self.model_config,
             attention_fn=self.attention,
             decode_only=True if self.has_decode_kernel else None,
@@ -796,7 +804,7 @@ class ModelRunner:
         params, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
             t_pad, width
         )
-        meta = _greedy_metadata(min(t_pad, self.max_seqs_bucket))
+        meta = self._put(_greedy_metadata(min(t_pad, self.max_seqs_bucket)))
         limits = np.zeros(t_pad, np.int32)
         return (params, tokens, sources, previous, positions, metadata, copies, limits), meta
 
@@ -887,17 +895,17 @@ class ModelRunner:
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
     ) -> SamplingMetadata:
-        """The rows' sampling arrays. A steady decode batch (the same requests in the same
-        order, with neither per-step biases, penalties, masks nor drafts) reuses the last
-        step's and builds only the draw counters."""
+        """The rows' sampling arrays, on the step's devices. A steady decode batch (the same
+        requests in the same order, with neither per-step biases, penalties, masks nor
+        drafts) keeps the last step's there and sends only the draw counters."""
         r_pad = batch.key[0]
         plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
         last = self._last_sampling
         if plain and last is not None and last[0] is batch:
             steps = np.zeros(r_pad, np.int32)
             steps[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
-            return replace(last[1], steps=steps)
-        meta = self.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
+            return replace(last[1], steps=self._put(steps))
+        meta = self._put(self.build_sampling_metadata(rows, r_pad, token_mask, draft_ids))
         # Penalties read the histories, which change every step: those are always built.
         reusable = plain and not batch.use_penalties
         self._last_sampling = (batch, meta) if reusable else None
@@ -999,16 +1007,13 @@ class ModelRunner:
         (params, tokens, positions, cache, metadata, rows, copies, sources, previous) = (
             self._padding_step(t_pad, self.width_buckets[0])
         )
+        packed, layout = pack((tokens, sources, positions, metadata, rows, copies))
         traced = forward_step.trace(
             params,
-            tokens,
-            sources,
+            packed,
             previous,
-            positions,
             cache,
-            metadata,
-            rows,
-            copies,
+            layout=layout,
             config=self.model_config,
             attention_fn=self.attention,
             decode_only=self._step_variants(t_pad)[0],
@@ -1048,7 +1053,7 @@ class ModelRunner:
                     self._warm_chains(width)
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
-            meta = _greedy_metadata(s_pad)
+            meta = self._put(_greedy_metadata(s_pad))
             sample(
                 logits,
                 meta,

@@ -1,0 +1,44 @@
+"""A step's int32 host inputs in one array: one host-to-device transfer per step.
+
+A jitted call copies each host (numpy) argument to the device on its own: a dispatch each, and
+on a GPU a staging copy each. The forward's inputs (token ids, placeholder sources, positions,
+the attention metadata, logits rows, copy-on-write pairs) are all int32, so the runner packs
+them into one flat array on the host and the step unpacks it on the device with static slices.
+`StepLayout` (the inputs' tree and shapes) is a static argument: it changes only with the
+bucket, so packing adds no compilation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input lies in the packed array (hashable: a jit static argument)."""
+
+    treedef: Any  # jax.tree_util.PyTreeDef of the inputs
+    shapes: tuple[tuple[int, ...], ...]  # each leaf's shape, in tree order
+
+
+def pack(inputs: Any) -> tuple[np.ndarray, StepLayout]:
+    """A tree of int32 host arrays -> (one flat int32 array, its layout)."""
+    leaves, treedef = jax.tree_util.tree_flatten(inputs)
+    arrays = [np.asarray(leaf, np.int32) for leaf in leaves]
+    packed = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.int32)
+    return packed, StepLayout(treedef, tuple(a.shape for a in arrays))
+
+
+def unpack(packed: jax.Array, layout: StepLayout) -> Any:
+    """`pack`'s inverse, on the device: static slices of the one transferred array."""
+    leaves, start = [], 0
+    for shape in layout.shapes:
+        size = prod(shape)
+        leaves.append(packed[start : start + size].reshape(shape))
+        start += size
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)

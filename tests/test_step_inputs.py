@@ -1,0 +1,65 @@
+"""A step's host inputs reach the device as one array, and a steady batch's sampling arrays
+stay there (issue 41: one host-to-device transfer per step)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.metadata import AttentionMetadata
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker import model_runner
+from pagedjax.worker.step_inputs import pack, unpack
+from tests.test_engine import make_engine, make_prompts, run
+
+
+def test_pack_and_unpack_give_back_every_array():
+    rng = np.random.default_rng(0)
+    metadata = AttentionMetadata(
+        slot_mapping=rng.integers(0, 99, (2, 8), dtype=np.int32),  # two KV cache groups
+        block_tables=rng.integers(0, 99, (2, 4, 3), dtype=np.int32),
+        seq_lens=rng.integers(0, 99, 4, dtype=np.int32),
+        query_start_loc=np.arange(5, dtype=np.int32),
+        num_seqs=np.int32(3),
+        num_tokens=np.int32(7),
+    )
+    inputs = (np.arange(8, dtype=np.int32), metadata, np.zeros((0, 2), np.int32))
+    packed, layout = pack(inputs)
+    assert packed.dtype == np.int32 and packed.ndim == 1
+    got = jax.jit(unpack, static_argnums=1)(jnp.asarray(packed), layout)
+    want_leaves, want_tree = jax.tree.flatten(inputs)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    assert got_tree == want_tree
+    for got_leaf, want_leaf in zip(got_leaves, want_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(got_leaf), want_leaf)
+        assert got_leaf.shape == np.shape(want_leaf)
+
+
+def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(tiny, monkeypatch):
+    """Every forward takes one host array (the packed inputs); the sampler's arrays are on
+    the device, and a steady seeded batch's are the last step's but for the draw counters."""
+    engine = make_engine(tiny, max_num_seqs=4)
+    forward_hosts, metas = [], []
+    forward, sample = model_runner.forward_step, model_runner.sample
+
+    def spy_forward(params, packed, previous, kv_cache, **options):
+        leaves = jax.tree.leaves((params, packed, previous, kv_cache))
+        forward_hosts.append(sum(isinstance(leaf, np.ndarray) for leaf in leaves))
+        return forward(params, packed, previous, kv_cache, **options)
+
+    spy_forward._cache_size = forward._cache_size
+
+    def spy_sample(logits, meta, *args, **options):
+        metas.append(meta)  # kept: the arrays' identities stay unique while they live
+        return sample(logits, meta, *args, **options)
+
+    monkeypatch.setattr(model_runner, "forward_step", spy_forward)
+    monkeypatch.setattr(model_runner, "sample", spy_sample)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    run(engine, make_prompts(3, seed=5), params)
+    assert forward_hosts and set(forward_hosts) == {1}
+    assert not any(isinstance(leaf, np.ndarray) for meta in metas for leaf in jax.tree.leaves(meta))
+    sent = {id(meta.temperature) for meta in metas}  # built and sent when the batch changed
+    assert len(sent) <= 4 < len(metas)  # the prefills' batches, then one steady batch
+    assert len({id(meta.steps) for meta in metas}) == len(metas)  # counters sent every step

@@ -4,6 +4,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py [--running 256] [--steps 30]
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
+    python benchmarks/host_overhead.py --transfers [--running 256] [--steps 2000]
     python benchmarks/host_overhead.py --generate [--running 256] [--steps 128] [--multi-step 8]
     ... [--model DIR]   another model than the default one
     python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
@@ -28,6 +29,9 @@ and the sampling arrays), update, outputs.
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
 ratio. With it on, step N+1's host work runs while step N is on the device.
+
+--transfers: a steady decode step's host arrays sent packed (as the engine does) against one
+jit argument each (as it did), in the same run: µs per call, waited on.
 
 --generate: what a user sees, `LLM.generate` of --running prompts of 16-64 random tokens x
 --steps greedy tokens (ignore_eos, max_num_seqs = --running) on a model whose device work is
@@ -162,6 +166,16 @@ def time_phases(engine) -> dict[str, list[float]]:
     return phases
 
 
+class NoForward:
+    """forward_step's stub for --host-only: the step's inputs are packed as for a real one."""
+
+    def __call__(self, params, packed, previous, kv_cache, **options):
+        return None, kv_cache
+
+    def _cache_size(self) -> int:
+        return 0
+
+
 def host_only(args) -> None:
     import types
 
@@ -173,15 +187,6 @@ def host_only(args) -> None:
 
     rng = np.random.default_rng(0)
     words = None  # ids of ordinary text: no newline, so the stop string never ends a request
-
-    class NoForward:
-        """forward_step's stub: the step's inputs are packed as for a real one."""
-
-        def __call__(self, params, packed, previous, kv_cache, **options):
-            return None, kv_cache
-
-        def _cache_size(self) -> int:
-            return 0
 
     def random_tokens(logits, meta, *args, **options):
         rows = meta.temperature.shape[0]
@@ -343,6 +348,53 @@ def generate_steps(args) -> None:
     report("host_overhead_generate", result, smoke=args.smoke)
 
 
+def transfers(args) -> None:
+    """A decode step's host arrays at --running rows sent as the engine sends them now (the
+    forward's inputs packed into one array, the sampler's draw counters) against as they were
+    sent before (each array its own jit argument: the forward's ten, the sampler's thirteen),
+    in the same run: µs per call of a jitted function that reads every array, waited on."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from pagedjax.worker.step_inputs import pack
+
+    llm = make_llm(args.running, args.model, max_num_batched_tokens=8192)
+    start_requests(llm, args.running, 64)
+    runner = llm.llm_engine.engine_core.worker.runner
+    step = llm.llm_engine.engine_core.scheduler.schedule()  # a steady decode step
+    seqs, rows = step.seqs, step.rows
+    tokens, positions, metadata, r_pad, copies, sources, _ = runner.prepare(seqs, len(rows), [])
+    forward_inputs = (tokens, sources, positions, metadata, np.zeros(r_pad, np.int32), copies)
+    meta = runner.build_sampling_metadata(rows, r_pad)
+
+    @jax.jit
+    def read(*arrays):  # touches every argument, so each is on the device
+        return sum(jax.numpy.sum(a.astype(jax.numpy.float32)) for a in arrays)
+
+    def separate():
+        return read(*jax.tree.leaves(forward_inputs), *jax.tree.leaves(meta))
+
+    kept = jax.device_put(jax.tree.leaves(dataclasses.replace(meta, steps=None)))
+
+    def packed():  # the sampler's arrays but the counters are the last step's, on the device
+        return read(pack(forward_inputs)[0], meta.steps, *kept)
+
+    result = {"running_requests": args.running}
+    for name, call in (("separate", separate), ("packed", packed)):
+        call().block_until_ready()
+        times = []
+        for _ in range(max(args.steps, 3)):
+            begin = time.perf_counter()
+            call().block_until_ready()
+            times.append(time.perf_counter() - begin)
+        result[f"{name}_us_median"] = 1e6 * statistics.median(times)
+    result["separate_over_packed"] = result["separate_us_median"] / result["packed_us_median"]
+    llm.llm_engine.shutdown()
+    report("host_overhead_transfers", result, smoke=args.smoke)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--running", type=int, default=None, help="default 256 (--smoke: 4)")
@@ -350,6 +402,9 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true", help="stub the device; CPU us")
     parser.add_argument("--overlap", action="store_true", help="async scheduling off vs on")
     parser.add_argument("--generate", action="store_true", help="LLM.generate's ms per step")
+    parser.add_argument(
+        "--transfers", action="store_true", help="a step's host arrays packed vs one by one"
+    )
     parser.add_argument(
         "--multi-step",
         type=int,
@@ -376,8 +431,10 @@ def main() -> None:
         modes = {overlap: 30}
     elif args.host_only:
         modes = {host_only: 100}
+    elif args.transfers:
+        modes = {transfers: 2000}
     elif args.smoke:  # every mode, so that none rots
-        modes = {on_device: 30, host_only: 100, overlap: 30, generate_steps: 128}
+        modes = {on_device: 30, host_only: 100, overlap: 30, generate_steps: 128, transfers: 3}
     else:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)

@@ -648,8 +648,10 @@ class Check:
 
     def stage_kernel_tests(self, limit: float) -> dict:
         xml, log = self.out / "kernel_tests.xml", self.out / "kernel_tests.log"
+        # -n 0: one process (the suite's default runs a file per core: on a GPU each worker
+        # would take its own share of the card, and -v's lines would come per worker).
         cmd = [sys.executable, "-m", "pytest", "tests/test_pallas_kernels.py",
-               "tests/test_grouped_matmul.py", "tests/test_mosaic_decode.py", "-v",
+               "tests/test_grouped_matmul.py", "tests/test_mosaic_decode.py", "-v", "-n", "0",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "--durations=10",
                "-o", "faulthandler_timeout=60"]  # fmt: skip
         if importlib.util.find_spec("pytest_timeout"):  # fails a stuck test, the run goes on

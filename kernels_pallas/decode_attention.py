@@ -111,11 +111,9 @@ def _decode_kernel(
     query_pos = seq_len - 1
     window = window_ref[0]
 
-    tile_lo = jnp.int32(0)
-    if use_window:
-        tile_lo = lax.div(jnp.where(window > 0, jnp.maximum(seq_len - window, 0), 0), kv_tile)
-    tile_hi = lax.div(seq_len + kv_tile - 1, kv_tile)
-    start, stop = split_tiles(tile_lo, tile_hi, split, num_splits, min_split_tiles)
+    start, stop = query_split(
+        seq_len, window if use_window else None, split, kv_tile, num_splits, min_split_tiles
+    )
 
     def key_visible(key_pos):  # [KT] -> [KT]: the keys of the one query
         seen = key_pos < seq_len
@@ -142,6 +140,23 @@ def _decode_kernel(
         acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = denom
+
+
+def query_split(
+    seq_len: jax.Array,  # [] int32: the one query sits at seq_len - 1
+    window: jax.Array | None,  # [] int32, 0 = unlimited; None: no window
+    split: jax.Array,  # [] int32: this program's split
+    kv_tile: int,
+    num_splits: int,
+    min_split_tiles: int,
+) -> tuple[jax.Array, jax.Array]:  # [start, stop) tiles; start >= stop: nothing to do
+    """The KV tiles program `split` reads of a decode row: the tiles its query sees (from its
+    window's first), cut by `split_tiles`."""
+    tile_lo = jnp.int32(0)
+    if window is not None:
+        tile_lo = lax.div(jnp.where(window > 0, jnp.maximum(seq_len - window, 0), 0), kv_tile)
+    tile_hi = lax.div(seq_len + kv_tile - 1, kv_tile)
+    return split_tiles(tile_lo, tile_hi, split, num_splits, min_split_tiles)
 
 
 def split_tiles(

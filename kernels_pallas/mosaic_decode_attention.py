@@ -36,7 +36,7 @@ from kernels_pallas.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     finish_splits,
-    split_tiles,
+    query_split,
 )
 from kernels_pallas.metadata import next_power_of_2, pad_block_tables
 from kernels_pallas.paged_attention import DEFAULT_DECODE_CONFIG, PALLAS, paged_attention
@@ -162,15 +162,12 @@ def _decode_kernel(
     head_dim, block_size = q_smem.shape[1], k_ref.shape[3]
     chunk = min(block_size, kv_tile)  # positions per TMA copy
     copies = kv_tile // chunk
-    layer, window = layer_ref[0], window_ref[0]
+    layer = layer_ref[0]
+    window = window_ref[0] if use_window else None  # None: no window to mask
     seq_len = seq_lens_ref[seq]
     scale = scales_ref[0, layer, head]
 
-    tile_lo = jnp.int32(0)
-    if use_window:
-        tile_lo = lax.div(jnp.where(window > 0, jnp.maximum(seq_len - window, 0), 0), kv_tile)
-    tile_hi = lax.div(seq_len + kv_tile - 1, kv_tile)
-    start, stop = split_tiles(tile_lo, tile_hi, split, num_splits, min_split_tiles)
+    start, stop = query_split(seq_len, window, split, kv_tile, num_splits, min_split_tiles)
 
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier)
 
@@ -199,7 +196,7 @@ def _decode_kernel(
 
         plgpu.barrier_wait(k_barriers.at[slot])
         s = _mma(q_smem, k_smem.at[slot].T, (ROWS, kv_tile)) * scale
-        visible = _visible(tile * kv_tile, s.shape, seq_len, window if use_window else None)
+        visible = _visible(tile * kv_tile, s.shape, seq_len, window)
         p, m_new, l_new, correction = _online_softmax(s, visible, m_prev, l_prev, soft_cap)
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()  # the stores are seen by the MMA's shared-memory reads

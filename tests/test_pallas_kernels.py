@@ -463,6 +463,12 @@ SMOLLM2 = ModelConfig(
 )
 
 
+def smollm2_pool(kv_dtype) -> jax.ShapeDtypeStruct:
+    """One of K and V of a pool of SMOLLM2's shapes: 4,096 pages of 16."""
+    c = SMOLLM2
+    return jax.ShapeDtypeStruct((c.num_layers, c.num_kv_heads, 4096, 16, c.head_dim), kv_dtype)
+
+
 def lower_smollm2_step(num_tokens: int, num_seqs: int, kv_dtype, attention):
     """The GPU step of SMOLLM2's shapes (4,096 pages of 16, a 2,048-token table width) with
     `attention`, lowered for an sm_90 GPU."""
@@ -482,7 +488,7 @@ def lower_smollm2_step(num_tokens: int, num_seqs: int, kv_dtype, attention):
             "w_down": f32((L, I, H)),
         },
     }
-    pool = jax.ShapeDtypeStruct((L, c.num_kv_heads, 4096, 16, c.head_dim), kv_dtype)
+    pool = smollm2_pool(kv_dtype)
     metadata = AttentionMetadata(
         slot_mapping=i32((num_tokens,)),
         block_tables=i32((num_seqs, width)),
@@ -512,7 +518,7 @@ def test_engine_forward_with_the_kernels_lowers_for_cuda(num_tokens, num_seqs, k
     split-K kernel behind the decode-only dispatch."""
     attention = functools.partial(paged_attention, interpret=False)
     lowered = lower_smollm2_step(num_tokens, num_seqs, kv_dtype, attention)
-    pool = jax.ShapeDtypeStruct((SMOLLM2.num_layers, 3, 4096, 16, 64), kv_dtype)
+    pool = smollm2_pool(kv_dtype)
     targets = triton_call_targets(lowered)
     assert len(targets) == kernels, targets
     # The pool is donated: both its arrays alias outputs, so the GPU step writes in place.

@@ -322,7 +322,7 @@ class ModelRunner:
         self._last_batch: BatchSampling | None = None  # the last step's (`_batch_sampling`)
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
-        self._no_previous = self._place(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
+        self._no_previous = self._put(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
         self._no_copies = np.zeros((0, 2), np.int32)
         # With a draft model, placeholders name the previous step's samples, then the drafts:
         # [max_seqs + max_seqs * k], the shape of every step's `previous`.
@@ -364,7 +364,7 @@ class ModelRunner:
         )
         tp = self.tp
         if tp is None:
-            return slots(place=lambda tree: jax.tree.map(self._place, tree))
+            return slots(place=self._put)
         # Split as the weights they add to are: slots[name]["a" or "b"] [L, S, ...].
         return slots(
             place=lambda tree: jax.device_put(tree, tp.shardings(tp.lora_specs(tree))),
@@ -403,14 +403,9 @@ class ModelRunner:
         return self._pool_sharding
 
     def _put(self, tree: Any) -> Any:
-        """Host arrays sent to the step's devices now. The sampler always gets its arrays
-        this way: arguments placed alike are one compiled variant."""
+        """Arrays the step reads, on its devices (replicated over a group). The sampler always
+        gets its arrays this way: arguments placed alike are one compiled variant."""
         return jax.device_put(tree, self._step_sharding)
-
-    def _place(self, array: jax.Array) -> jax.Array:
-        """A small array the step reads, on the step's devices (replicated over a group)."""
-        sharding = self._step_sharding
-        return array if sharding is None else jax.device_put(array, sharding)
 
     def _forward(
         self,
@@ -623,19 +618,20 @@ class ModelRunner:
         )
         if block_copies:
             copies[: len(block_copies)] = block_copies
-        # Copies, not views: dispatch is asynchronous and may read host memory after we
-        # return, while the next step refills these buffers.
+        # Views of the buffers the next step refills: every consumer copies them first (the
+        # forward packs them, the draft chain gathers its rows), so no asynchronous dispatch
+        # reads them late.
         grouped = bool(self.kv_groups.metadata_dims)  # else without the group dimension
         metadata = AttentionMetadata(
-            slot_mapping=(slots if grouped else slots[0]).copy(),
-            block_tables=(tables if grouped else tables[0]).copy(),
-            seq_lens=seq_lens.copy(),
-            query_start_loc=query_start.copy(),
+            slot_mapping=slots if grouped else slots[0],
+            block_tables=tables if grouped else tables[0],
+            seq_lens=seq_lens,
+            query_start_loc=query_start,
             num_seqs=np.int32(len(seqs)),
             num_tokens=np.int32(num_tokens),
         )
         r_pad = max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
-        return tokens.copy(), positions.copy(), metadata, r_pad, copies, sources, drafted
+        return tokens, positions, metadata, r_pad, copies, sources, drafted
 
     def execute(
         self,

@@ -618,9 +618,8 @@ class ModelRunner:
         )
         if block_copies:
             copies[: len(block_copies)] = block_copies
-        # Views of the buffers the next step refills: every consumer copies them first (the
-        # forward packs them, the draft chain gathers its rows), so no asynchronous dispatch
-        # reads them late.
+        # Views of buffers the next step refills: each consumer copies them before dispatch
+        # (the forward packs them, the draft chain gathers its rows).
         grouped = bool(self.kv_groups.metadata_dims)  # else without the group dimension
         metadata = AttentionMetadata(
             slot_mapping=slots if grouped else slots[0],

@@ -51,17 +51,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
-STAGES = ["env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "moe"]
+STAGES = [
+    "env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "moe", "command_buffers"
+]  # fmt: skip
 # Seconds per stage (--budget STAGE=SECONDS changes one). GPU: with the driver's slack, the 8
 # minutes one device call is planned for; sized from the stage times of the first GPU run
 # (benchmarks/README.md), with room to spare; the host stage is not yet timed on a GPU.
 BUDGETS = {
     "gpu": dict(
-        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80, moe=90
+        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=80, moe=90,
+        command_buffers=90,
     ),
     "cpu": dict(
-        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=240
+        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=240,
+        command_buffers=120,
     ),
+}  # fmt: skip
+# The whole run's cap: one device call is at most 600 s, and the table must come out before it
+# ends. The last stage gets what the others leave (the budgets add up to more).
+TOTAL_CAP = {"gpu": 570, "cpu": 2400}
+# XLA:GPU's command buffers (CUDA graphs) for the command_buffers stage: XLA_FLAGS each run adds.
+COMMAND_BUFFERS = {
+    "off": "--xla_gpu_enable_command_buffer=",
+    "with_loops": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
 }
 SMOKE_CASE_TIMEOUT = {"gpu": 60, "cpu": 150}
 SMOKE_JOBS = {"gpu": 4, "cpu": 2}  # smoke processes at once (no preallocation: they share the GPU)
@@ -526,6 +538,24 @@ def bench_error(case: dict, label: str, timing: dict) -> str:
     return f"ERR {error:.3g} > {BENCH_MAX_ERROR}" if error and error > BENCH_MAX_ERROR else ""
 
 
+def step_detail(report: dict, name: str) -> str:
+    """One run of `host_overhead.py --generate --trace`: its time per token-step, the host's
+    share, and what the trace saw of the device."""
+    text = (
+        f"{name.split('_')[0]}: {report[f'{name}_ms_per_token_step']:.2f} ms/token-step "
+        f"(host {report[f'{name}_host_ms_per_token_step']:.2f})"
+    )
+    if f"{name}_trace_error" in report:
+        text += f", trace: {report[f'{name}_trace_error'][:80]}"
+    elif f"{name}_trace_device_ops_per_step" in report:
+        text += (
+            f", {report[f'{name}_trace_device_ops_per_step']:.0f} device ops, device idle "
+            f"{report[f'{name}_trace_device_idle_share']:.0%}, gap between steps "
+            f"{report[f'{name}_trace_step_gap_ms_median']:.2f} ms"
+        )
+    return text
+
+
 class Check:
     def __init__(self, args: argparse.Namespace):
         self.mode = "cpu" if args.cpu else "gpu"
@@ -538,7 +568,9 @@ class Check:
         for item in args.budget:
             stage, _, seconds = item.partition("=")
             self.budgets[stage] = float(seconds)
-        self.total = sum(self.budgets[s] for s in args.only.split(",")) + 20
+        self.total = min(
+            sum(self.budgets[s] for s in args.only.split(",")) + 20, TOTAL_CAP[self.mode]
+        )
         self.env = dict(os.environ)
         self.env.update(
             JAX_PLATFORMS=self.mode if self.mode == "cpu" else "cuda",
@@ -739,12 +771,12 @@ class Check:
         return dict(status=result["status"], seconds=seconds, detail=detail)
 
     def run_benchmark(
-        self, stage: str, args: list[str], result: str, limit: float
+        self, stage: str, args: list[str], result: str, limit: float, **env: str
     ) -> tuple[str, float, dict]:
-        """A benchmark script's run as a stage: (status, seconds, its report or {}); the log
-        and the report go to $OUT as STAGE.log and STAGE.json."""
+        """A benchmark script's run as a stage (`env`: variables it adds): (status, seconds,
+        its report or {}); the log and the report go to $OUT as STAGE.log and STAGE.json."""
         results = self.scratch / stage
-        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results), TMPDIR=str(self.scratch))
+        env = dict(self.env, PAGEDJAX_BENCH_RESULTS=str(results), TMPDIR=str(self.scratch), **env)
         log = self.out / f"{stage}.log"
         status, rc, seconds = run_child([sys.executable, *args], limit, log, env)
         where = results if self.mode == "cpu" else ROOT / "benchmarks" / "results"
@@ -784,18 +816,34 @@ class Check:
         """The engine's host cost per decode step at 256 rows (issue 41): `host_overhead.py
         --generate` on a model whose device work is small, one decode step per dispatch and 8,
         async scheduling on; the CPU dry run takes its smoke sizes."""
-        args = ["benchmarks/host_overhead.py", "--generate", "--async-only"]
+        args = ["benchmarks/host_overhead.py", "--generate", "--async-only", "--trace"]
         args += ["--smoke"] if self.mode == "cpu" else ["--steps", "64"]
         status, seconds, report = self.run_benchmark("host", args, "host_overhead_generate", limit)
         if not report:
             return dict(status=status, detail=last_line(self.out / "host.log"))
-        detail = ", ".join(
-            f"{k}: {report[f'{k}_async_on_ms_per_token_step']:.2f} ms/token-step "
-            f"(host {report[f'{k}_async_on_host_ms_per_token_step']:.2f})"
-            for k in ("k1", "k8")
-        )
+        detail = "; ".join(step_detail(report, f"{k}_async_on") for k in ("k1", "k8"))
         rows = report["running_requests"]
         return dict(status=status, seconds=seconds, detail=f"{rows} rows; {detail}")
+
+    def stage_command_buffers(self, limit: float) -> dict:
+        """XLA's command buffers (CUDA graphs) for the step (issue 41): the host stage's run
+        at one decode step per dispatch again, with them off and with loops (the layer scan)
+        captured too, each in a process of its own (XLA_FLAGS is read at start-up)."""
+        args = ["benchmarks/host_overhead.py", "--generate", "--async-only", "--trace"]
+        args += ["--multi-step", "1"] + (["--smoke"] if self.mode == "cpu" else ["--steps", "64"])
+        flags = self.env.get("XLA_FLAGS", "")
+        details, statuses, start = [], [], time.perf_counter()
+        for i, (name, flag) in enumerate(COMMAND_BUFFERS.items()):
+            left = limit - (time.perf_counter() - start)
+            share = left / (len(COMMAND_BUFFERS) - i)
+            status, _, report = self.run_benchmark(
+                f"command_buffers_{name}", args, "host_overhead_generate", share,
+                XLA_FLAGS=f"{flags} {flag}".strip(),
+            )  # fmt: skip
+            statuses.append(status)
+            details.append(f"{name}: " + (step_detail(report, "k1_async_on") if report else status))
+        status = next((s for s in statuses if s != "PASS"), "PASS")
+        return dict(status=status, detail="; ".join(details))
 
     def run(self, only: list[str]) -> int:
         chosen = [s for s in STAGES if s in only]

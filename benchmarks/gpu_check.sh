@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check of the Pallas kernels and of the engine on them, in one device call of
-# under 10 minutes (stage budgets 550 s in all; give the call timeout_s=600). From the repo root:
+# under 10 minutes (the stages share a 570 s cap; give the call timeout_s=600). From the repo root:
 #
 #   OUT=$OUT bash benchmarks/gpu_check.sh
 #
@@ -13,12 +13,15 @@
 #   bench         benchmarks/paged_kernels.py --quick --large-pool: vs JAX's bundled paged attention
 #                 and a device copy; the Mosaic GPU decode kernel beside the Triton one
 #   engine        a tiny random Llama, Pallas backend, greedy tokens against transformers
-#   host          the engine's host cost per decode step at 256 rows, 1 and 8 steps per dispatch
+#   host          the engine's host cost per decode step at 256 rows, 1 and 8 steps per dispatch,
+#                 and a profiler trace of each: device ops per step, idle time, gaps between steps
 #   moe           a tiny gpt-oss through the engine vs transformers; benchmarks/moe.py: a mixture
 #                 of experts' steps, grouped matmul vs every expert
+#   command_buffers  the host stage's 1-step run with XLA's command buffers off, and with loops
+#                 captured too (last: it gets what the others leave of the 570 s cap)
 # The PASS/FAIL and GB/s table comes last. Under $OUT: env.txt, memory.log, memory.json,
 # smoke.json, kernel_tests.log, kernel_tests.xml, bench.log, bench.json, engine.json, host.log,
-# host.json, moe.log, moe.json, summary.txt.
+# host.json, moe.log, moe.json, command_buffers_{off,with_loops}.{log,json}, summary.txt.
 #
 #   OUT=/tmp/gc bash benchmarks/gpu_check.sh --cpu    # dry run on a CPU (CI: test_gpu_check.py)
 #   ... gpu_check.sh --only bench,engine --budget bench=300   # some stages, e.g. to rerun

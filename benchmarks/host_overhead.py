@@ -343,9 +343,47 @@ def generate_steps(args) -> None:
         result[f"{name}_ms_per_token_step"] = 1000 * seconds / model_steps
         result[f"{name}_host_ms_per_token_step"] = 1000 * (seconds - waited) / model_steps
         result[f"{name}_output_tokens_per_s"] = args.running * args.steps / seconds
+        if args.trace and not core_process:
+            try:
+                traced = trace_generate(llm, prompts, params)
+            except Exception as error:  # a profiler that cannot start: the timings still count
+                traced = {"error": repr(error)[:300]}
+            result |= {f"{name}_trace_{key}": value for key, value in traced.items()}
         llm.llm_engine.shutdown()
         del llm, engine
     report("host_overhead_generate", result, smoke=args.smoke)
+
+
+def trace_generate(llm, prompts: list, params) -> dict:
+    """`LLM.generate` once more, under a `jax.profiler` trace with each engine step marked:
+    the summary of its decode steps (`trace_summary.summarise`; the per-module table dropped
+    but for its op counts). The trace's own cost slows the host, so the step times above are
+    the ones to quote; the device's ops and gaps are what this adds."""
+    import tempfile
+    from pathlib import Path
+
+    from trace_summary import load_trace, step_trace, summarise
+
+    engine = llm.llm_engine
+    step, before = engine.step, engine.stats()["num_model_steps"]
+    with tempfile.TemporaryDirectory() as folder:
+        with step_trace(Path(folder)) as mark:
+
+            def marked_step():
+                with mark():
+                    return step()
+
+            engine.step = marked_step
+            try:
+                llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                engine.step = step
+        steps = engine.stats()["num_model_steps"] - before
+        summary = summarise(load_trace(Path(folder)), steps)
+    modules = summary.pop("modules")
+    summary.pop("steps")
+    summary |= {f"ops_{name}": m["ops_per_step"] for name, m in list(modules.items())[:4]}
+    return summary
 
 
 def transfers(args) -> None:
@@ -413,6 +451,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--async-only", action="store_true", help="--generate: only with async scheduling on"
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="--generate: also a profiler trace of each run: device ops per token-step, "
+        "the device's idle time and the gaps between steps",
     )
     parser.add_argument(
         "--core-process",

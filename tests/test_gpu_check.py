@@ -19,7 +19,9 @@ import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processe
 
 FILES = {"env.txt", "memory.log", "memory.json", "smoke.json", "kernel_tests.log",
          "kernel_tests.xml", "bench.log", "bench.json", "engine.json", "host.log", "host.json",
-         "moe.log", "moe.json", "summary.txt"}  # fmt: skip
+         "moe.log", "moe.json", "command_buffers_off.log", "command_buffers_off.json",
+         "command_buffers_with_loops.log", "command_buffers_with_loops.json",
+         "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -63,6 +65,9 @@ def test_cpu_dry_run_runs_every_stage_and_prints_the_table_last(tmp_path):
                    for line in summary.splitlines()), stage  # fmt: skip
     assert "pallas_split_k" in summary and "GB/s" in summary
     assert json.loads((tmp_path / "memory.json").read_text())["xla_client_mem_fraction"] == "0.9"
+    host = json.loads((tmp_path / "host.json").read_text())
+    assert host["k1_async_on_trace_device_ops_per_step"] > 0  # the trace saw the device's ops
+    assert "device ops" in summary and "with_loops: k1" in summary
     engine = json.loads((tmp_path / "engine.json").read_text())
     assert engine["token_identical"] and engine["attention_backend"] == "pallas"
 

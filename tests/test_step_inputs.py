@@ -63,3 +63,39 @@ def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(t
     sent = {id(meta.temperature) for meta in metas}  # built and sent when the batch changed
     assert len(sent) <= 4 < len(metas)  # the prefills' batches, then one steady batch
     assert len({id(meta.steps) for meta in metas}) == len(metas)  # counters sent every step
+
+
+def test_a_gpu_starts_the_results_copies_at_dispatch_and_the_tokens_stay_the_same(
+    tiny, monkeypatch
+):
+    """`Platform.prefetches_results` (the GPU's): each step's sampled ids start their copy to
+    the host when the step is dispatched, before the host asks for them; the CPU skips it."""
+    from pagedjax.platforms.cpu import cpu_platform
+    from pagedjax.platforms.gpu import GpuPlatform
+
+    assert GpuPlatform().prefetches_results and not cpu_platform().prefetches_results
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = make_prompts(3, seed=7)
+    plain = [
+        o.outputs[0].token_ids for o in run(make_engine(tiny, max_num_seqs=4), prompts, params)
+    ]
+    engine = make_engine(tiny, max_num_seqs=4)
+    runner = engine.engine_core.worker.runner
+    assert not runner.prefetch_results  # the CPU's choice, passed down by the worker
+    runner.prefetch_results = True
+    prefetched, read = [], []
+    handle = model_runner.StepHandle
+    handle_prefetch, handle_result = handle.prefetch, handle.result
+
+    def spy_prefetch(handle):
+        prefetched.append(handle)
+        return handle_prefetch(handle)
+
+    def spy_result(handle):
+        read.append(any(handle is p for p in prefetched))
+        return handle_result(handle)
+
+    monkeypatch.setattr(model_runner.StepHandle, "prefetch", spy_prefetch)
+    monkeypatch.setattr(model_runner.StepHandle, "result", spy_result)
+    assert [o.outputs[0].token_ids for o in run(engine, prompts, params)] == plain
+    assert read and all(read)  # every step's results were on their way before they were read

@@ -45,6 +45,7 @@ class GpuPlatform(Platform):
     auto_attention: tuple[str, ...] = ("pallas", "xla")
     sampling: SamplingKernels = XLA_SAMPLING
     probes_attention: bool = True
+    prefetches_results: bool = True
     host_transfer_bytes_per_s: float = 2.5e10  # PCIe, as achieved
     flops_per_s: float = 3e14  # 16-bit matmuls, as a prefill achieves on a data-center card
     # Where the allocator's numbers come from (tests inject fakes).

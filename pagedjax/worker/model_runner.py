@@ -149,6 +149,14 @@ class StepHandle:
     num_targets: int
     accepted: jax.Array | None = None  # [R] drafts' verdicts (None: no drafts)
 
+    def prefetch(self) -> StepHandle:
+        """Starts the copies `result` will wait for, behind the step on the device."""
+        results = (self.token_ids, self.finite, self.logprobs, self.prompt_logprobs, self.accepted)
+        for leaf in jax.tree.leaves(results):
+            if isinstance(leaf, jax.Array):  # (a benchmark's stub hands back numpy)
+                leaf.copy_to_host_async()
+        return self
+
     def result(self) -> ModelRunnerOutput:
         n = self.num_rows
         if self.token_ids is None:
@@ -257,6 +265,7 @@ class ModelRunner:
         draft: DraftModel | None = None,
         kv_groups: KVCacheGroups | None = None,
         prepare_lora: Callable[[dict], dict] | None = None,
+        prefetch_results: bool = False,
     ):
         """tp: run split over its group (params placed by it); device: the one device of
         an engine that is not the default device's (a data-parallel replica's);
@@ -264,7 +273,10 @@ class ModelRunner:
         decoding's draft model (`draft_model.py`), whose pool gets the same blocks;
         kv_groups: the KV cache groups (`kernels_pallas/kv_groups.py`), whose slabs
         `kv_spec` counts as its layers (default: one group, a slab per layer); prepare_lora:
-        the platform's view of the LoRA slots (`Platform.prepare_lora`)."""
+        the platform's view of the LoRA slots (`Platform.prepare_lora`); prefetch_results:
+        start each step's results' copies to the host at dispatch (`Platform.
+        prefetches_results`)."""
+        self.prefetch_results = prefetch_results
         self.kv_groups = kv_groups or single_group(model_config.num_layers)
         self.model_config, self.params = model_config, params
         self.attention, self.sampling = attention, sampling
@@ -671,7 +683,20 @@ class ModelRunner:
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
         if num_steps > 1:
-            return self._dispatch_steps(seqs, rows, block_copies, previous, num_steps, row_steps)
+            handle = self._dispatch_steps(seqs, rows, block_copies, previous, num_steps, row_steps)
+        else:
+            handle = self._dispatch_one(seqs, rows, block_copies, num_prompt_logprobs, previous)
+        return handle.prefetch() if self.prefetch_results else handle
+
+    def _dispatch_one(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        rows: Sequence[SampleRow],
+        block_copies: Sequence[tuple[int, int]],
+        num_prompt_logprobs: int | None,
+        previous: StepHandle | None,
+    ) -> StepHandle:
+        """One step: the forward, a sample for each row, the prompt logprobs asked."""
         sample_rows, prompt_rows, targets = _logits_rows(seqs, rows)
         num_rows = len(rows) + len(prompt_rows)
         tokens, positions, metadata, r_pad, copies, sources, drafted = self.prepare(

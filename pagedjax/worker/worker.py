@@ -351,6 +351,7 @@ class Worker:
                     kv_groups=self.kv_groups,
                     prepare_lora=self.platform.prepare_lora,
                     draft=self.draft,
+                    prefetch_results=self.platform.prefetches_results,
                 )
                 if self.platform.probes_attention:
                     self._probe()

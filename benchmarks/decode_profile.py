@@ -112,7 +112,7 @@ def device_parts(engine, context: int, repeats: int) -> dict:
     sources = np.full(1, -1, np.int32)
 
     def forward():
-        logits, runner.kv_cache = runner._forward(
+        logits, runner.kv_cache, _ = runner._forward(
             params,
             tokens,
             positions,

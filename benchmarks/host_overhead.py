@@ -170,7 +170,7 @@ class NoForward:
     """forward_step's stub for --host-only: the step's inputs are packed as for a real one."""
 
     def __call__(self, params, packed, previous, kv_cache, **options):
-        return None, kv_cache
+        return None, kv_cache, None  # no logits; the draw counters (the sampler's stub ignores)
 
     def _cache_size(self) -> int:
         return 0
@@ -388,7 +388,7 @@ def trace_generate(llm, prompts: list, params) -> dict:
 
 def transfers(args) -> None:
     """A decode step's host arrays at --running rows sent as the engine sends them now (the
-    forward's inputs packed into one array, the sampler's draw counters) against as they were
+    forward's inputs and the sampler's draw counters packed into one array) against as they were
     sent before (each array its own jit argument: the forward's ten, the sampler's thirteen),
     in the same run: µs per call of a jitted function that reads every array, waited on."""
     import dataclasses
@@ -404,20 +404,21 @@ def transfers(args) -> None:
     step = llm.llm_engine.engine_core.scheduler.schedule()  # a steady decode step
     seqs, rows = step.seqs, step.rows
     tokens, positions, metadata, r_pad, copies, sources, _ = runner.prepare(seqs, len(rows), [])
-    forward_inputs = (tokens, sources, positions, metadata, np.zeros(r_pad, np.int32), copies)
     meta = runner.build_sampling_metadata(rows, r_pad)
+    logits_rows = np.zeros(r_pad, np.int32)
+    forward_inputs = (tokens, sources, positions, metadata, logits_rows, copies, meta.steps)
 
     @jax.jit
     def read(*arrays):  # touches every argument, so each is on the device
         return sum(jax.numpy.sum(a.astype(jax.numpy.float32)) for a in arrays)
 
     def separate():
-        return read(*jax.tree.leaves(forward_inputs), *jax.tree.leaves(meta))
+        return read(*jax.tree.leaves(forward_inputs[:-1]), *jax.tree.leaves(meta))
 
     kept = jax.device_put(jax.tree.leaves(dataclasses.replace(meta, steps=None)))
 
-    def packed():  # the sampler's arrays but the counters are the last step's, on the device
-        return read(pack(forward_inputs)[0], meta.steps, *kept)
+    def packed():  # the sampler's arrays are the last step's, the counters in the packed ones
+        return read(pack(forward_inputs)[0], *kept)
 
     result = {"running_requests": args.running}
     for name, call in (("separate", separate), ("packed", packed)):

@@ -184,11 +184,11 @@ def spy_on_steps(runner) -> list[tuple[bool | None, bool]]:
     """(decode_only passed, whether every real sequence had <= 1 token) per forward call."""
     calls, forward = [], runner._forward
 
-    def spy(*args, decode_only=None):
+    def spy(*args, decode_only=None, **kwargs):
         qsl = np.asarray(args[4].query_start_loc)
         q_lens = np.diff(qsl)[: int(args[4].num_seqs)]
         calls.append((decode_only, bool((q_lens <= 1).all())))
-        return forward(*args, decode_only=decode_only)
+        return forward(*args, decode_only=decode_only, **kwargs)
 
     runner._forward = spy
     return calls

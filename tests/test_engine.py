@@ -641,9 +641,9 @@ def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
     runner = engine.engine_core.worker.runner
     built, reused = runner._sampling_metadata, []
 
-    def checked(rows, batch, token_mask=None, draft_ids=None):
+    def checked(rows, batch, steps, token_mask=None, draft_ids=None):
         before = runner._last_sampling
-        meta = built(rows, batch, token_mask, draft_ids)
+        meta = built(rows, batch, steps, token_mask, draft_ids)
         reused.append(before is not None and runner._last_sampling is before)
         full = runner.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
         assert batch == BatchSampling.of(batch.key, [r.params for r in rows])  # flags too

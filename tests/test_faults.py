@@ -65,9 +65,12 @@ def test_nan_logits_finish_that_request_with_an_error(tiny_loaded):
     engine = make_engine(tiny_loaded)
     real_forward = engine.engine_core.worker.runner._forward
 
-    def forward_with_nan_row(*args):
-        logits, cache = real_forward(*args)
-        return logits.at[0].set(jnp.nan), cache  # the first sampled row of every step
+    poisoned_steps = []
+
+    def forward_with_nan_row(*args, **kwargs):
+        logits, cache, steps = real_forward(*args, **kwargs)
+        poisoned_steps.append(len(poisoned_steps))
+        return logits.at[0].set(jnp.nan), cache, steps  # the first sampled row of every step
 
     engine.engine_core.worker.runner._forward = forward_with_nan_row
     prompts = make_prompts(2, seed=21)
@@ -77,6 +80,7 @@ def test_nan_logits_finish_that_request_with_an_error(tiny_loaded):
     engine.add_request("healthy", prompts[1], SamplingParams(max_tokens=4, **GREEDY))
     done.update(drain(engine))
     poisoned = done["poisoned"].outputs[0]
+    assert poisoned_steps  # the forward ran, and its logits were poisoned
     assert poisoned.finish_reason == "error" and poisoned.token_ids == []
     assert len(done["healthy"].outputs[0].token_ids) == 4
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -80,7 +80,8 @@ def forward_step(
     params,
     # int32, the step's one host-to-device copy: step_inputs.pack of (token_ids [T], sources
     # [T] (-1, or the index in `previous` of the sample a token is), positions [T], metadata
-    # (AttentionMetadata), logits rows [R], copy-on-write pairs [C, 2])
+    # (AttentionMetadata), logits rows [R], copy-on-write pairs [C, 2], the sample rows' draw
+    # counters [R] (SamplingMetadata.steps, handed back for the sampler))
     packed,
     previous,  # [P] int32: the previous step's sampled tokens (async scheduling)
     kv_cache,
@@ -90,10 +91,12 @@ def forward_step(
     decode_only=None,  # None: not passed (a backend without a decode kernel); else its flag
     tp: TensorParallel | None = None,  # the tensor-parallel group, None for one device
 ):
-    token_ids, sources, positions, metadata, rows, copies = unpack(packed, layout)
+    """(logits [R, V], kv_cache, the draw counters [R] on the device)."""
+    token_ids, sources, positions, metadata, rows, copies, steps = unpack(packed, layout)
     token_ids = _with_previous(token_ids, sources, previous)
     inputs = (token_ids, positions, metadata, rows, copies)
-    return _run_model(params, kv_cache, inputs, config, attention_fn, decode_only, tp)
+    logits, kv_cache = _run_model(params, kv_cache, inputs, config, attention_fn, decode_only, tp)
+    return logits, kv_cache, steps
 
 
 @partial(
@@ -120,11 +123,12 @@ def decode_steps(
     # token, sequence t is token t), sources [T] (as forward_step's), positions [T] (the last
     # tokens'), metadata (the first step's: one token per sequence), rows [R] (the logits
     # rows, row r is sequence r), copies [C, 2], limits [T] (the steps each sequence takes, its
-    # length limit; 0 for padding))
+    # length limit; 0 for padding), the draw counters [R] (SamplingMetadata.steps: the first
+    # step's draw))
     packed,
     previous,  # [P] int32
     kv_cache,
-    meta: SamplingMetadata,  # [R] rows; steps counts the first step's draw
+    meta: SamplingMetadata,  # [R] rows; its steps are not read (None): packed has them
     *,
     layout: StepLayout,
     config,
@@ -148,7 +152,8 @@ def decode_steps(
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
     Every draw is the one a single step would make (its key counts the row's tokens); with
     penalties, each step's token joins the row's output history on the device."""
-    token_ids, sources, positions, metadata, rows, copies, limits = unpack(packed, layout)
+    token_ids, sources, positions, metadata, rows, copies, limits, steps = unpack(packed, layout)
+    meta = dataclasses.replace(meta, steps=steps)
     token_ids = _with_previous(token_ids, sources, previous)
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)

@@ -431,8 +431,13 @@ class ModelRunner:
         sources,
         previous,
         decode_only: bool | None = None,
+        steps: np.ndarray | None = None,
     ):
-        inputs = (token_ids, sources, positions, metadata, rows, copies)
+        """(logits, kv_cache, the draw counters on the device): `steps` [R], the sample rows'
+        counters (SamplingMetadata.steps), travel with the inputs (default zeros)."""
+        if steps is None:
+            steps = np.zeros(len(rows), np.int32)
+        inputs = (token_ids, sources, positions, metadata, rows, copies, steps)
         model = (self.model_config, self.attention, decode_only, self.tp)
         return self._forward_packed(params, kv_cache, inputs, previous, *model)
 
@@ -467,8 +472,9 @@ class ModelRunner:
         draft = self.draft
         if not draft.attention.has_decode_kernel:
             decode_only = None
-        inputs = (tokens, sources, positions, metadata, np.zeros(1, np.int32), copies)
-        _, self.draft_cache = self._forward_packed(
+        one = np.zeros(1, np.int32)
+        inputs = (tokens, sources, positions, metadata, one, copies, one)
+        _, self.draft_cache, _ = self._forward_packed(
             draft.params, self.draft_cache, inputs, previous, draft.config, draft.attention,
             decode_only, None,
         )  # fmt: skip
@@ -714,7 +720,9 @@ class ModelRunner:
             self._draft_fill(
                 tokens, positions, metadata, fill_copies, sources, sampled, decode_only
             )
-        logits, self.kv_cache = self._forward(
+        draws = np.zeros(r_pad, np.int32)  # SamplingMetadata.steps, sent with the inputs
+        draws[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
+        logits, self.kv_cache, steps = self._forward(
             self._step_params(seqs, len(tokens)),
             tokens,
             positions,
@@ -725,13 +733,14 @@ class ModelRunner:
             sources,
             sampled,
             decode_only=decode_only,
+            steps=draws,
         )
         prompt = None
         if prompt_rows:
             prompt = self._prompt_logprobs(logits, len(rows), targets, num_prompt_logprobs)
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
-        out, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts)
+        out, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts, steps)
         return StepHandle(
             out.token_ids,
             out.finite,
@@ -767,6 +776,8 @@ class ModelRunner:
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         batch = self._batch_sampling(rows, r_pad)
+        draws = np.zeros(r_pad, np.int32)  # the first step's draw counters, with the inputs
+        draws[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
         # A row with a token mask takes one step: its mask is that step's.
         token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
         tokens_out, finite, logprobs = self._decode_steps(
@@ -779,8 +790,9 @@ class ModelRunner:
                 metadata,
                 copies,
                 limits,
+                draws,
             ),
-            self._sampling_metadata(rows, batch, token_mask),
+            self._sampling_metadata(rows, batch, None, token_mask),
             num_steps,
             **batch.flags(),
         )
@@ -790,8 +802,9 @@ class ModelRunner:
         self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool | int | None
     ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
         """`decode_steps` on the pool: inputs are (params, tokens, sources, previous,
-        positions, metadata, copies, limits); flags are its use_truncation, all_greedy,
-        num_logprobs and use_penalties. Returns ([num_steps, R] tokens, finite, logprobs)."""
+        positions, metadata, copies, limits, draw counters); flags are its use_truncation,
+        all_greedy, num_logprobs and use_penalties. Returns ([num_steps, R] tokens, finite,
+        logprobs)."""
         args, options = self._decode_steps_call(inputs, meta, num_steps, flags)
         tokens_out, finite, logprobs, self.kv_cache = self._compiled(decode_steps, *args, **options)
         return tokens_out, finite, logprobs
@@ -801,9 +814,9 @@ class ModelRunner:
     ) -> tuple[tuple, dict]:
         """`decode_steps`' arguments and options (every flag passed, always the same way: a
         keyword left to its default would be another compilation)."""
-        params, tokens, sources, previous, positions, metadata, copies, limits = inputs
+        params, tokens, sources, previous, positions, metadata, copies, limits, steps = inputs
         rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
-        packed, layout = pack((tokens, sources, positions, metadata, rows, copies, limits))
+        packed, layout = pack((tokens, sources, positions, metadata, rows, copies, limits, steps))
         args = (params, packed, previous, self.kv_cache, meta)
         options = dict(
             layout=layout,
@@ -824,9 +837,11 @@ class ModelRunner:
         params, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
             t_pad, width
         )
-        meta = self._put(_greedy_metadata(min(t_pad, self.max_seqs_bucket)))
-        limits = np.zeros(t_pad, np.int32)
-        return (params, tokens, sources, previous, positions, metadata, copies, limits), meta
+        num_rows = min(t_pad, self.max_seqs_bucket)
+        meta = self._put(replace(_greedy_metadata(num_rows), steps=None))
+        limits, steps = np.zeros(t_pad, np.int32), np.zeros(num_rows, np.int32)
+        inputs = (params, tokens, sources, previous, positions, metadata, copies, limits, steps)
+        return inputs, meta
 
     # The flags of greedy rows with nothing else asked (warmup, inspection).
     _GREEDY_STEPS = dict(
@@ -881,8 +896,10 @@ class ModelRunner:
         r_pad: int,
         drafted: list,
         drafts: jax.Array | None,
+        steps: jax.Array,
     ) -> tuple[SamplerOutput, int | None]:
-        """A token for each sample row (verifying drafts), and the top logprobs wanted."""
+        """A token for each sample row (verifying drafts), and the top logprobs wanted; steps:
+        the rows' draw counters, on the device (the forward's)."""
         constraints = [r.constraints for r in rows]
         if any(c is not None and c.processors for c in constraints):
             logits = self._run_processors(logits, rows)
@@ -891,7 +908,7 @@ class ModelRunner:
         batch = self._batch_sampling(rows, r_pad)
         draft_ids = [r.draft_token for r in rows]
         draft_ids = draft_ids if any(d >= 0 for d in draft_ids) or drafted else None
-        meta = self._sampling_metadata(rows, batch, token_mask, draft_ids)
+        meta = self._sampling_metadata(rows, batch, steps, token_mask, draft_ids)
         if drafted:
             k = self.draft.num_speculative_tokens
             index = verify_index(drafted, [(r.seq_index, r.offset) for r in rows], k, r_pad)
@@ -912,24 +929,25 @@ class ModelRunner:
         self,
         rows: Sequence[SampleRow],
         batch: BatchSampling,
+        steps: jax.Array | None,
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
     ) -> SamplingMetadata:
-        """The rows' sampling arrays, on the step's devices. A steady decode batch (the same
-        requests in the same order, with neither per-step biases, penalties, masks nor
-        drafts) keeps the last step's there and sends only the draw counters."""
-        r_pad = batch.key[0]
+        """The rows' sampling arrays, on the step's devices, with `steps` as their draw
+        counters (they travel with the forward's inputs: None for `decode_steps`, which
+        unpacks them itself). A steady decode batch (the same requests in the same order,
+        with neither per-step biases, penalties, masks nor drafts) keeps the last step's
+        arrays there and sends nothing more."""
         plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
         last = self._last_sampling
         if plain and last is not None and last[0] is batch:
-            steps = np.zeros(r_pad, np.int32)
-            steps[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
-            return replace(last[1], steps=self._put(steps))
-        meta = self._put(self.build_sampling_metadata(rows, r_pad, token_mask, draft_ids))
+            return replace(last[1], steps=steps)
+        built = self.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
+        meta = self._put(replace(built, steps=None))
         # Penalties read the histories, which change every step: those are always built.
         reusable = plain and not batch.use_penalties
         self._last_sampling = (batch, meta) if reusable else None
-        return meta
+        return replace(meta, steps=steps)
 
     def build_sampling_metadata(
         self,
@@ -1027,7 +1045,8 @@ class ModelRunner:
         (params, tokens, positions, cache, metadata, rows, copies, sources, previous) = (
             self._padding_step(t_pad, self.width_buckets[0])
         )
-        packed, layout = pack((tokens, sources, positions, metadata, rows, copies))
+        steps = np.zeros(len(rows), np.int32)
+        packed, layout = pack((tokens, sources, positions, metadata, rows, copies, steps))
         traced = forward_step.trace(
             params,
             packed,
@@ -1064,7 +1083,7 @@ class ModelRunner:
             for width in self.width_buckets[:1] if probe else self.width_buckets:
                 for decode_only in self._step_variants(t_pad):
                     step = self._padding_step(t_pad, width)
-                    logits, self.kv_cache = self._forward(*step, decode_only=decode_only)
+                    logits, self.kv_cache, steps = self._forward(*step, decode_only=decode_only)
                     if self.draft is not None:
                         _, tokens, positions, _, metadata, _, copies, sources, previous = step
                         fill = (tokens, positions, metadata, copies, sources, previous)
@@ -1073,7 +1092,8 @@ class ModelRunner:
                     self._warm_chains(width)
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
-            meta = self._put(_greedy_metadata(s_pad))
+            # Its draw counters come from the forward, as a step's do: one compiled variant.
+            meta = replace(self._put(replace(_greedy_metadata(s_pad), steps=None)), steps=steps)
             sample(
                 logits,
                 meta,

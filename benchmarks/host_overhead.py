@@ -107,7 +107,7 @@ def on_device(args) -> None:
         engine.step()
 
     waits = []
-    dispatch_sample = model_runner.sample
+    dispatch_sample = model_runner.sample_step
 
     def sample_and_wait(*args, **kwargs):
         out = dispatch_sample(*args, **kwargs)
@@ -116,12 +116,12 @@ def on_device(args) -> None:
         waits.append(time.perf_counter() - start)
         return out
 
-    model_runner.sample = sample_and_wait
+    model_runner.sample_step = sample_and_wait
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     total = time.perf_counter() - start
-    model_runner.sample = dispatch_sample
+    model_runner.sample_step = dispatch_sample
     waiting = sum(waits)
     running = len(engine.engine_core.scheduler.running)
     report(
@@ -189,10 +189,12 @@ def host_only(args) -> None:
     words = None  # ids of ordinary text: no newline, so the stop string never ends a request
 
     def random_tokens(logits, meta, *args, **options):
+        """sample_step's stub: random tokens (and no placeholders: the forward is a stub)."""
         rows = meta.temperature.shape[0]
         tokens = rng.choice(words, rows).astype(np.int32)
         finite = np.ones(rows, bool)
-        return types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
+        out = types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
+        return out, None
 
     class RandomSteps:
         """decode_steps' stub: [num_steps, rows] random tokens."""
@@ -200,12 +202,12 @@ def host_only(args) -> None:
         def __call__(self, params, packed, previous, kv_cache, meta, num_steps: int, **options):
             rows = meta.temperature.shape[0]  # the logits rows
             tokens = rng.choice(words, (num_steps, rows)).astype(np.int32)
-            return tokens, np.ones((num_steps, rows), bool), None, kv_cache
+            return tokens, np.ones((num_steps, rows), bool), None, kv_cache, None
 
         def _cache_size(self) -> int:
             return 0
 
-    real = model_runner.sample, model_runner.decode_steps, model_runner.forward_step
+    real = model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
@@ -225,7 +227,7 @@ def host_only(args) -> None:
             ids = range(1000, min(40000, vocab_size))
             words = np.array([i for i in ids if "\n" not in decode([i])])
         # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
-        model_runner.sample, model_runner.decode_steps = random_tokens, RandomSteps()
+        model_runner.sample_step, model_runner.decode_steps = random_tokens, RandomSteps()
         model_runner.forward_step = NoForward()
         # As many tokens per row as one step per dispatch: fewer dispatches of several.
         warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
@@ -270,7 +272,7 @@ def host_only(args) -> None:
             result[f"{name}_us_per_token_step_median"] = 1e6 * median / token_steps
             core_median = statistics.median(core_times)
             result[f"{name}_core_us_per_token_step_median"] = 1e6 * core_median / token_steps
-        model_runner.sample, model_runner.decode_steps, model_runner.forward_step = real
+        model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step = real
         del llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)
 

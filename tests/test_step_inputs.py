@@ -41,7 +41,7 @@ def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(t
     the device, and a steady seeded batch's are the last step's but for the draw counters."""
     engine = make_engine(tiny, max_num_seqs=4)
     forward_hosts, metas = [], []
-    forward, sample = model_runner.forward_step, model_runner.sample
+    forward, sample = model_runner.forward_step, model_runner.sample_step
 
     def spy_forward(params, packed, previous, kv_cache, **options):
         leaves = jax.tree.leaves((params, packed, previous, kv_cache))
@@ -55,7 +55,7 @@ def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(t
         return sample(logits, meta, *args, **options)
 
     monkeypatch.setattr(model_runner, "forward_step", spy_forward)
-    monkeypatch.setattr(model_runner, "sample", spy_sample)
+    monkeypatch.setattr(model_runner, "sample_step", spy_sample)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
     run(engine, make_prompts(3, seed=5), params)
     assert forward_hosts and set(forward_hosts) == {1}

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from kernels_pallas.kv_cache import PAD_SLOT, copy_blocks
 from models.llama import forward_logits
 from models.tensor_parallel import TensorParallel
-from pagedjax.sampler import SamplingKernels, SamplingMetadata, TokenLogprobs, sample
+from pagedjax.sampler import (
+    SamplerOutput,
+    SamplingKernels,
+    SamplingMetadata,
+    TokenLogprobs,
+    sample,
+)
 from pagedjax.worker.step_inputs import StepLayout, unpack
 
 
@@ -114,6 +120,8 @@ def forward_step(
         "all_greedy",
         "num_logprobs",
         "use_penalties",
+        "stride",
+        "size",
     ),
     donate_argnames=("kv_cache",),
 )
@@ -142,11 +150,14 @@ def decode_steps(
     all_greedy: bool,
     num_logprobs: int | None = None,
     use_penalties: bool = False,
+    stride: int,
+    size: int,
 ):
     """num_steps decode steps: each runs the forward on every sequence's newest token, writes
     its KV into the sequence's reserved slots and samples the next token on the device.
     Returns (tokens [num_steps, R], finite [num_steps, R], TokenLogprobs of [num_steps, R]
-    (None unless num_logprobs is given, as `sample`'s), kv_cache).
+    (None unless num_logprobs is given, as `sample`'s), kv_cache, the tokens as the next
+    step's placeholders read them (`fixed_rows(tokens, stride, size)`)).
 
     A sequence past its limit repeats its last step (reading only its own context) and
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.
@@ -215,7 +226,7 @@ def decode_steps(
         meta.output_token_ids,
     )
     _, kv_cache, tokens, finite, logprobs, _ = jax.lax.fori_loop(0, num_steps, step, init)
-    return tokens, finite, logprobs, kv_cache
+    return tokens, finite, logprobs, kv_cache, fixed_rows(tokens, stride, size)
 
 
 def _token_slots(
@@ -229,6 +240,44 @@ def _token_slots(
         tables, jnp.broadcast_to(index[:, None], (*tables.shape[:-1], 1)), -1
     )
     return block[..., 0] * block_size + pos % block_size
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "kernels",
+        "num_logprobs",
+        "use_penalties",
+        "use_truncation",
+        "all_greedy",
+        "stride",
+        "size",
+    ),
+)
+def sample_step(
+    logits: jax.Array,  # [R, V] f32
+    meta: SamplingMetadata,
+    kernels: SamplingKernels,
+    *,
+    num_logprobs: int | None,
+    use_penalties: bool,
+    use_truncation: bool,
+    all_greedy: bool,
+    stride: int,
+    size: int,
+) -> tuple[SamplerOutput, jax.Array]:
+    """`sample`, and its tokens as the next step's placeholders read them (`fixed_rows`): one
+    dispatch for both."""
+    out = sample(
+        logits,
+        meta,
+        kernels,
+        num_logprobs=num_logprobs,
+        use_penalties=use_penalties,
+        use_truncation=use_truncation,
+        all_greedy=all_greedy,
+    )
+    return out, fixed_rows(out.token_ids, stride, size)
 
 
 @partial(jax.jit, static_argnames=("stride", "size"))

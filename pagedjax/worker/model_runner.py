@@ -50,11 +50,10 @@ from pagedjax.sampler import (
     needs_penalties,
     needs_truncation,
     prompt_logprobs,
-    sample,
 )
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.block_table import BlockTables
-from pagedjax.worker.device_steps import decode_steps, fixed_rows, forward_step, set_rows
+from pagedjax.worker.device_steps import decode_steps, forward_step, sample_step, set_rows
 from pagedjax.worker.draft_model import (
     ChainInputs,
     DraftModel,
@@ -148,6 +147,8 @@ class StepHandle:
     num_rows: int
     num_targets: int
     accepted: jax.Array | None = None  # [R] drafts' verdicts (None: no drafts)
+    # The tokens as the next step's placeholders read them (`fixed_rows`), left on the device.
+    placeholders: jax.Array | None = None
 
     def prefetch(self) -> StepHandle:
         """Starts the copies `result` will wait for, behind the step on the device."""
@@ -335,6 +336,7 @@ class ModelRunner:
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._put(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
+        self._placeholder_layout = dict(stride=self.max_seqs_bucket, size=self._no_previous.size)
         self._no_copies = np.zeros((0, 2), np.int32)
         # With a draft model, placeholders name the previous step's samples, then the drafts:
         # [max_seqs + max_seqs * k], the shape of every step's `previous`.
@@ -740,7 +742,7 @@ class ModelRunner:
             prompt = self._prompt_logprobs(logits, len(rows), targets, num_prompt_logprobs)
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
-        out, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts, steps)
+        out, placeholders, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts, steps)
         return StepHandle(
             out.token_ids,
             out.finite,
@@ -749,14 +751,14 @@ class ModelRunner:
             len(rows),
             len(targets),
             out.accepted,
+            placeholders,
         )
 
     def _previous(self, previous: StepHandle | None) -> jax.Array:
         """The previous step's samples where this step's placeholders name them."""
-        if previous is None or previous.token_ids is None:
+        if previous is None or previous.placeholders is None:
             return self._no_previous
-        size = self._no_previous.shape[0]
-        return fixed_rows(previous.token_ids, self.max_seqs_bucket, size)
+        return previous.placeholders
 
     def _dispatch_steps(
         self,
@@ -780,7 +782,7 @@ class ModelRunner:
         draws[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
         # A row with a token mask takes one step: its mask is that step's.
         token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
-        tokens_out, finite, logprobs = self._decode_steps(
+        tokens_out, finite, logprobs, placeholders = self._decode_steps(
             (
                 params,
                 tokens,
@@ -796,18 +798,18 @@ class ModelRunner:
             num_steps,
             **batch.flags(),
         )
-        return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0)
+        return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0, None, placeholders)
 
     def _decode_steps(
         self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool | int | None
-    ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
+    ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None, jax.Array]:
         """`decode_steps` on the pool: inputs are (params, tokens, sources, previous,
         positions, metadata, copies, limits, draw counters); flags are its use_truncation,
         all_greedy, num_logprobs and use_penalties. Returns ([num_steps, R] tokens, finite,
-        logprobs)."""
+        logprobs, the tokens as the next step's placeholders)."""
         args, options = self._decode_steps_call(inputs, meta, num_steps, flags)
-        tokens_out, finite, logprobs, self.kv_cache = self._compiled(decode_steps, *args, **options)
-        return tokens_out, finite, logprobs
+        *out, self.kv_cache, placeholders = self._compiled(decode_steps, *args, **options)
+        return (*out, placeholders)
 
     def _decode_steps_call(
         self, inputs: tuple, meta: SamplingMetadata, num_steps: int, flags: dict
@@ -827,6 +829,7 @@ class ModelRunner:
             num_steps=num_steps,
             block_size=self.block_size,
             kernels=self.sampling,
+            **self._placeholder_layout,
         )
         names = ("use_truncation", "all_greedy", "num_logprobs", "use_penalties")
         return args, options | {name: flags[name] for name in names}
@@ -897,9 +900,10 @@ class ModelRunner:
         drafted: list,
         drafts: jax.Array | None,
         steps: jax.Array,
-    ) -> tuple[SamplerOutput, int | None]:
-        """A token for each sample row (verifying drafts), and the top logprobs wanted; steps:
-        the rows' draw counters, on the device (the forward's)."""
+    ) -> tuple[SamplerOutput, jax.Array, int | None]:
+        """A token for each sample row (verifying drafts), those tokens as the next step's
+        placeholders read them, and the top logprobs wanted; steps: the rows' draw counters,
+        on the device (the forward's)."""
         constraints = [r.constraints for r in rows]
         if any(c is not None and c.processors for c in constraints):
             logits = self._run_processors(logits, rows)
@@ -913,8 +917,9 @@ class ModelRunner:
             k = self.draft.num_speculative_tokens
             index = verify_index(drafted, [(r.seq_index, r.offset) for r in rows], k, r_pad)
             meta = replace(meta, draft_token_ids=verified_drafts(drafts, index))
-        out = sample(logits, meta, self.sampling, **batch.flags())
-        return out, batch.num_logprobs
+        layout = self._placeholder_layout
+        out, placeholders = sample_step(logits, meta, self.sampling, **batch.flags(), **layout)
+        return out, placeholders, batch.num_logprobs
 
     def _batch_sampling(self, rows: Sequence[SampleRow], r_pad: int) -> BatchSampling:
         """What the rows ask of the sampler: the last step's answer while the batch is
@@ -1094,14 +1099,8 @@ class ModelRunner:
                     self._warm_decode_steps(t_pad, width)
             # Its draw counters come from the forward, as a step's do: one compiled variant.
             meta = replace(self._put(replace(_greedy_metadata(s_pad), steps=None)), steps=steps)
-            sample(
-                logits,
-                meta,
-                self.sampling,
-                use_penalties=False,
-                use_truncation=False,
-                all_greedy=True,
-            )
+            greedy = self._GREEDY_STEPS
+            sample_step(logits, meta, self.sampling, **greedy, **self._placeholder_layout)
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - start
         logger.info("warmup: %d compilations in %.1f s", self.num_compilations, elapsed)

@@ -8,8 +8,8 @@ between its bursts of work (issue 41: the card should never wait for the host).
                 engine.step()
     summary = summarise(load_trace(folder), steps)
 
-The device's ops are the trace's events that XLA names by their HLO op (`args.hlo_op`), on the
-GPU's own lanes when the trace has any, else (XLA:CPU) wherever they ran.
+The device's ops are a GPU's events on its CUDA streams' lanes when the trace has a GPU, else
+(XLA:CPU) the events XLA names by their HLO op (`args.hlo_op`), wherever they ran.
 """
 
 from __future__ import annotations
@@ -61,14 +61,21 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def device_ops(events: list[dict]) -> list[dict]:
-    """The complete events of XLA's device ops: on GPU lanes if the trace has any."""
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    gpu = {pid for pid, name in names.items() if "GPU" in name}
-    return [
-        e
+    """The complete events of the device's ops. On a GPU: its CUDA streams' lanes (kernels and
+    copies; the profiler's derived lanes, such as "XLA Ops", repeat them), or every GPU lane
+    if none is named a stream. On a CPU: XLA's thunks, the events named by their HLO op."""
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    gpu = {pid for pid, name in process.items() if "GPU" in name}
+    complete = [e for e in events if e.get("ph") == "X"]
+    if not gpu:
+        return [e for e in complete if "hlo_op" in e.get("args", {})]
+    lanes = {
+        (e["pid"], e.get("tid"))
         for e in events
-        if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and (not gpu or e["pid"] in gpu)
-    ]
+        if e.get("name") == "thread_name" and e["pid"] in gpu and "Stream" in e["args"]["name"]
+    }
+    on_gpu = [e for e in complete if e["pid"] in gpu]
+    return [e for e in on_gpu if (e["pid"], e.get("tid")) in lanes] if lanes else on_gpu
 
 
 def summarise(events: list[dict], num_steps: int) -> dict:

@@ -127,12 +127,10 @@ def forward_step(
 )
 def decode_steps(
     params,
-    # int32, one host-to-device copy: step_inputs.pack of (token_ids [T] (each sequence's last
-    # token, sequence t is token t), sources [T] (as forward_step's), positions [T] (the last
-    # tokens'), metadata (the first step's: one token per sequence), rows [R] (the logits
-    # rows, row r is sequence r), copies [C, 2], limits [T] (the steps each sequence takes, its
-    # length limit; 0 for padding), the draw counters [R] (SamplingMetadata.steps: the first
-    # step's draw))
+    # int32, one host-to-device copy: step_inputs.pack of (token_ids [T] (sequence t's last
+    # token), sources [T] (as forward_step's), positions [T] (the last tokens'), metadata (the
+    # first step's), rows [R] (row r is sequence r), copies [C, 2], limits [T] (the steps each
+    # sequence takes; 0 for padding), draw counters [R] (SamplingMetadata.steps, first step's))
     packed,
     previous,  # [P] int32
     kv_cache,
@@ -157,7 +155,7 @@ def decode_steps(
     its KV into the sequence's reserved slots and samples the next token on the device.
     Returns (tokens [num_steps, R], finite [num_steps, R], TokenLogprobs of [num_steps, R]
     (None unless num_logprobs is given, as `sample`'s), kv_cache, the tokens as the next
-    step's placeholders read them (`fixed_rows(tokens, stride, size)`)).
+    step's placeholders read them: `fixed_rows(tokens, stride, size)`).
 
     A sequence past its limit repeats its last step (reading only its own context) and
     writes nothing: its tokens there are junk the host drops, as it drops those after a stop.

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import jax
@@ -237,12 +238,12 @@ def _logits_rows(
 ) -> tuple[list[int], list[int], list[int]]:
     """The step's logits rows: each sample row's token, then each prompt-logprobs token's; and
     the prompt tokens those rows score."""
-    ends = np.cumsum([len(s.token_ids) for s in seqs])
-    sample_rows = [int(ends[r.seq_index]) - 1 - r.offset for r in rows]
+    ends = list(accumulate(len(s.token_ids) for s in seqs))  # Python ints: indexed per row
+    sample_rows = [ends[r.seq_index] - 1 - r.offset for r in rows]
     prompt_rows, targets = [], []
     for index, seq in enumerate(seqs):
         if seq.prompt_logprob_targets:
-            first = int(ends[index]) - len(seq.token_ids) + seq.prompt_logprobs_offset
+            first = ends[index] - len(seq.token_ids) + seq.prompt_logprobs_offset
             prompt_rows += range(first, first + len(seq.prompt_logprob_targets))
             targets += seq.prompt_logprob_targets
     return sample_rows, prompt_rows, targets

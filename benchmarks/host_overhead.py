@@ -229,6 +229,7 @@ def host_only(args) -> None:
         # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
         model_runner.sample_step, model_runner.decode_steps = random_tokens, RandomSteps()
         model_runner.forward_step = NoForward()
+        engine.engine_core.worker.runner.prefetch_results = False  # the stubs hand back numpy
         # As many tokens per row as one step per dispatch: fewer dispatches of several.
         warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
         start_requests(llm, args.running, warm_steps + args.steps + 16, greedy, output_kind=kind)

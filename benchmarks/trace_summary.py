@@ -30,7 +30,7 @@ def step_trace(folder: Path) -> Iterator[Callable[[], AbstractContextManager]]:
     import jax
 
     options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # a Python call's trace event would slow the host 3x
+    options.python_tracer_level = 0  # an event per Python call would slow the host it measures
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True, profiler_options=options)
     try:
         yield lambda: jax.profiler.TraceAnnotation(STEP)

@@ -53,7 +53,7 @@ class Platform:
     flops_per_s: float = 1e11  # a few CPU cores
     # Whether a step's sampled ids start their device-to-host copy as soon as it is
     # dispatched, so that the host, reading them a step later, does not wait for the copy. On
-    # the CPU the array is host memory already, and the request costs 9 us for nothing.
+    # the CPU the array is host memory already, and the request would only add host work.
     prefetches_results: bool = False
 
     def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> str:

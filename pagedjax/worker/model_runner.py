@@ -155,8 +155,7 @@ class StepHandle:
         """Starts the copies `result` will wait for, behind the step on the device."""
         results = (self.token_ids, self.finite, self.logprobs, self.prompt_logprobs, self.accepted)
         for leaf in jax.tree.leaves(results):
-            if isinstance(leaf, jax.Array):  # (a benchmark's stub hands back numpy)
-                leaf.copy_to_host_async()
+            leaf.copy_to_host_async()
         return self
 
     def result(self) -> ModelRunnerOutput:
@@ -195,10 +194,19 @@ def _fetch_steps(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None
 
 
 def _greedy_metadata(num_rows: int) -> SamplingMetadata:
-    """Sampling arrays of num_rows greedy rows (warmup, inspection)."""
-    return build_sampling_metadata(
+    """Sampling arrays of num_rows greedy rows (warmup, inspection), without draw counters:
+    a step's come from its forward."""
+    meta = build_sampling_metadata(
         [SamplingParams(temperature=0.0)], [[]], [0], [0], num_rows=num_rows
     )
+    return replace(meta, steps=None)
+
+
+def _draw_counters(rows: Sequence[SampleRow], num_rows: int) -> np.ndarray:
+    """[num_rows] each sample row's tokens generated so far (SamplingMetadata.steps)."""
+    counters = np.zeros(num_rows, np.int32)
+    counters[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
+    return counters
 
 
 @dataclass(frozen=True)
@@ -238,7 +246,7 @@ def _logits_rows(
 ) -> tuple[list[int], list[int], list[int]]:
     """The step's logits rows: each sample row's token, then each prompt-logprobs token's; and
     the prompt tokens those rows score."""
-    ends = list(accumulate(len(s.token_ids) for s in seqs))  # Python ints: indexed per row
+    ends = list(accumulate(len(s.token_ids) for s in seqs))  # ints: numpy scalars index slowly
     sample_rows = [ends[r.seq_index] - 1 - r.offset for r in rows]
     prompt_rows, targets = [], []
     for index, seq in enumerate(seqs):
@@ -723,8 +731,6 @@ class ModelRunner:
             self._draft_fill(
                 tokens, positions, metadata, fill_copies, sources, sampled, decode_only
             )
-        draws = np.zeros(r_pad, np.int32)  # SamplingMetadata.steps, sent with the inputs
-        draws[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
         logits, self.kv_cache, steps = self._forward(
             self._step_params(seqs, len(tokens)),
             tokens,
@@ -736,7 +742,7 @@ class ModelRunner:
             sources,
             sampled,
             decode_only=decode_only,
-            steps=draws,
+            steps=_draw_counters(rows, r_pad),
         )
         prompt = None
         if prompt_rows:
@@ -779,8 +785,6 @@ class ModelRunner:
         limits = np.zeros(len(tokens), np.int32)
         limits[: len(row_steps)] = row_steps
         batch = self._batch_sampling(rows, r_pad)
-        draws = np.zeros(r_pad, np.int32)  # the first step's draw counters, with the inputs
-        draws[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
         # A row with a token mask takes one step: its mask is that step's.
         token_mask = self.masks.fill([r.constraints for r in rows], r_pad)
         tokens_out, finite, logprobs, placeholders = self._decode_steps(
@@ -793,7 +797,7 @@ class ModelRunner:
                 metadata,
                 copies,
                 limits,
-                draws,
+                _draw_counters(rows, r_pad),  # the first step's
             ),
             self._sampling_metadata(rows, batch, None, token_mask),
             num_steps,
@@ -842,7 +846,7 @@ class ModelRunner:
             t_pad, width
         )
         num_rows = min(t_pad, self.max_seqs_bucket)
-        meta = self._put(replace(_greedy_metadata(num_rows), steps=None))
+        meta = self._put(_greedy_metadata(num_rows))
         limits, steps = np.zeros(t_pad, np.int32), np.zeros(num_rows, np.int32)
         inputs = (params, tokens, sources, previous, positions, metadata, copies, limits, steps)
         return inputs, meta
@@ -1099,7 +1103,7 @@ class ModelRunner:
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
             # Its draw counters come from the forward, as a step's do: one compiled variant.
-            meta = replace(self._put(replace(_greedy_metadata(s_pad), steps=None)), steps=steps)
+            meta = replace(self._put(_greedy_metadata(s_pad)), steps=steps)
             greedy = self._GREEDY_STEPS
             sample_step(logits, meta, self.sampling, **greedy, **self._placeholder_layout)
         jax.block_until_ready(self.kv_cache)

@@ -22,9 +22,11 @@ stream) and FINAL_ONLY (what `LLM.generate` asks for), with one decode step per 
 --multi-step of them (then also per token-step). "core" is the engine core's part of a step
 (schedule, dispatch, update) plus packing its outputs for another process: what a step costs
 an engine core in a process of its own (`pagedjax serve`), the front end detokenizing beside it.
-"final_only_greedy": FINAL_ONLY greedy requests without a stop string (K = 1). Each run also
-reports its phases' medians (`time_phases`): schedule, dispatch (of which input preparation
-and the sampling arrays), update, outputs.
+"final_only_greedy": FINAL_ONLY greedy requests without a stop string (K = 1). The K = 1
+runs are repeated with steady decode steps off (`_general`: each step scheduled request by
+request), the peer in the same run. Each run also reports its phases' medians
+(`time_phases`): schedule, dispatch (of which input preparation and the sampling arrays),
+update, outputs.
 
 --overlap: the same decode steps (CUMULATIVE outputs, as a server streams) with async
 scheduling off and on, one engine after the other in the same run: steps/s of each and the
@@ -41,7 +43,8 @@ timed, with async scheduling off and on, one decode step per dispatch and --mult
 every running row), and of that the host's share (the time not blocked on the device's
 results; on a CPU the device's work shares the cores with it). --core-process: also with
 the engine core in a process of its own (`LLM(core_process=True)`, async scheduling on),
-this process detokenizing and building outputs; its host share is the core's.
+this process detokenizing and building outputs; its host share is the core's. The peer:
+K = 1, async on, with steady decode steps off (`_general`).
 """
 
 from __future__ import annotations
@@ -138,22 +141,27 @@ def on_device(args) -> None:
     )
 
 
-def time_phases(engine) -> dict[str, list[float]]:
-    """Times each part of the engine's steps from now on (CPU seconds, per step): the
-    scheduler, the worker's dispatch (input preparation and sampling arrays within it), the
-    scheduler's update from the results, and the output processor."""
+def _phase_parts(engine) -> list[tuple[object, str, str]]:
+    """(owner, method, phase) of each timed part of a step."""
     core = engine.engine_core
     runner = core.worker.runner
-    phases: dict[str, list[float]] = {}
-    parts = [
+    return [
         (core.scheduler, "schedule", "schedule"),
         (core.worker, "execute_model", "dispatch"),
         (runner, "prepare", "dispatch_prepare"),
+        (runner, "prepare_decode", "dispatch_prepare"),  # a steady step's
         (runner, "_sample", "dispatch_sample"),
         (core.scheduler, "update_from_output", "update"),
         (engine.output_processor, "process_outputs", "outputs"),
     ]
-    for owner, attribute, phase in parts:
+
+
+def time_phases(engine) -> dict[str, list[float]]:
+    """Times each part of the engine's steps from now on (CPU seconds, per step): the
+    scheduler, the worker's dispatch (input preparation and sampling arrays within it), the
+    scheduler's update from the results, and the output processor."""
+    phases: dict[str, list[float]] = {}
+    for owner, attribute, phase in _phase_parts(engine):
         function, times = getattr(owner, attribute), phases.setdefault(phase, [])
 
         def timed(*args, function=function, times=times, **kwargs):
@@ -166,6 +174,13 @@ def time_phases(engine) -> dict[str, list[float]]:
     return phases
 
 
+def untime_phases(engine) -> None:
+    """Takes `time_phases`' wrappers off: the engine's memory (its KV pool) is then freed as
+    soon as it is dropped, not left to the cycle collector, which kept the pools alive."""
+    for owner, attribute, _ in _phase_parts(engine):
+        owner.__dict__.pop(attribute, None)
+
+
 class NoForward:
     """forward_step's stub for --host-only: the step's inputs are packed as for a real one."""
 
@@ -176,13 +191,24 @@ class NoForward:
         return 0
 
 
+def host_only_runs(multi_step: int) -> list[tuple]:
+    """(decode steps per dispatch, output kind, greedy, steady decode steps) of each
+    --host-only run."""
+    from pagedjax.sampling_params import RequestOutputKind
+
+    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+    runs = [(k, kind, False, True) for k in sorted({1, multi_step}) for kind in kinds]
+    runs.append((1, RequestOutputKind.FINAL_ONLY, True, True))  # greedy, no stop string
+    # The peers: the same K = 1 steps scheduled the general way, request by request.
+    return runs + [(1, kind, greedy, False) for k, kind, greedy, _ in runs if k == 1]
+
+
 def host_only(args) -> None:
     import types
 
     import numpy as np
 
     from pagedjax.engine_core_proc import pack_outputs
-    from pagedjax.sampling_params import RequestOutputKind
     from pagedjax.worker import model_runner
 
     rng = np.random.default_rng(0)
@@ -211,16 +237,14 @@ def host_only(args) -> None:
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
-    kinds = [(RequestOutputKind.CUMULATIVE, False), (RequestOutputKind.FINAL_ONLY, False)]
-    runs = [(k, kind, False) for k in sorted({1, args.multi_step}) for kind, _ in kinds]
-    runs.append((1, RequestOutputKind.FINAL_ONLY, True))  # greedy, no stop string
-    for num_steps, kind, greedy in runs:
+    for num_steps, kind, greedy, steady in host_only_runs(args.multi_step):
         # A large budget prefills everyone in a few steps, so all requests start level and
         # run to the end of the measured steps within 384 tokens.
         llm = make_llm(
             args.running, args.model, max_num_batched_tokens=8192, num_scheduler_steps=num_steps
         )
         engine = llm.llm_engine
+        engine.engine_core.scheduler.steady_decode = steady
         if words is None:
             decode = llm.get_tokenizer().decode
             vocab_size = engine.model_config.vocab_size  # a small model's is under 40000
@@ -259,6 +283,7 @@ def host_only(args) -> None:
         assert core.scheduler.num_preemptions == 0
         name = kind.name.lower() if num_steps == 1 else f"k{num_steps}_{kind.name.lower()}"
         name += "_greedy" if greedy else ""
+        name += "" if steady else "_general"
         median = statistics.median(cpu_times)
         for phase, times in phases.items():
             if not times:  # a part the run never takes (K > 1 samples in its loop)
@@ -274,7 +299,8 @@ def host_only(args) -> None:
             core_median = statistics.median(core_times)
             result[f"{name}_core_us_per_token_step_median"] = 1e6 * core_median / token_steps
         model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step = real
-        del llm, engine, core
+        untime_phases(engine)
+        del core.step, llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)
 
 
@@ -313,10 +339,12 @@ def generate_steps(args) -> None:
     rng = random.Random(0)
     result = {"running_requests": args.running, "tokens": args.steps}
     asyncs = ("on",) if args.async_only else ("off", "on")
-    modes = [(k, a, False) for k in sorted({1, args.multi_step}) for a in asyncs]
+    modes = [(k, a, False, True) for k in sorted({1, args.multi_step}) for a in asyncs]
     if args.core_process:  # the core in a process of its own, async scheduling on
-        modes += [(k, "on", True) for k in sorted({1, args.multi_step})]
-    for num_steps, mode, core_process in modes:
+        modes += [(k, "on", True, True) for k in sorted({1, args.multi_step})]
+    if not args.no_peer:  # K = 1 steps scheduled the general way
+        modes.append((1, "on", False, False))
+    for num_steps, mode, core_process, steady in modes:
         llm = make_llm(
             args.running,
             args.model,
@@ -324,6 +352,8 @@ def generate_steps(args) -> None:
             num_scheduler_steps=num_steps,
             core_process=core_process,
         )
+        if not steady:
+            llm.llm_engine.engine_core.scheduler.steady_decode = False
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [
             {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]}
@@ -340,6 +370,7 @@ def generate_steps(args) -> None:
         after = [engine.stats()[key] for key in counters]
         steps, model_steps, waited = (now - then for now, then in zip(after, before, strict=True))
         name = f"k{num_steps}_async_{mode}" + ("_core_process" if core_process else "")
+        name += "" if steady else "_general"
         result[f"{name}_steps"] = steps
         result[f"{name}_token_steps"] = model_steps
         result[f"{name}_ms_per_step"] = 1000 * seconds / steps
@@ -404,7 +435,9 @@ def transfers(args) -> None:
     llm = make_llm(args.running, args.model, max_num_batched_tokens=8192)
     start_requests(llm, args.running, 64)
     runner = llm.llm_engine.engine_core.worker.runner
-    step = llm.llm_engine.engine_core.scheduler.schedule()  # a steady decode step
+    scheduler = llm.llm_engine.engine_core.scheduler
+    scheduler.steady_decode = False  # a decode step as the general way hands it: seqs, rows
+    step = scheduler.schedule()
     seqs, rows = step.seqs, step.rows
     tokens, positions, metadata, r_pad, copies, sources, _ = runner.prepare(seqs, len(rows), [])
     meta = runner.build_sampling_metadata(rows, r_pad)
@@ -455,6 +488,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--async-only", action="store_true", help="--generate: only with async scheduling on"
+    )
+    parser.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="--generate: without the peer (K = 1 with steady decode steps off)",
     )
     parser.add_argument(
         "--trace",

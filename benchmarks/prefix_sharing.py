@@ -35,9 +35,10 @@ def run(engine, prompts: list[list[int]], tokens: int) -> dict:
     def counting_schedule():
         nonlocal computed
         out = schedule()
-        # The requests' counts already include this step's tokens; out.seqs has them before it.
-        for (request, num_new), seq in zip(out.scheduled, out.seqs, strict=True):
-            computed += max(0, min(num_new, request.num_prompt_tokens - seq.num_computed_tokens))
+        # The requests' counts already include this step's tokens; out.chunks() has them
+        # before it.
+        for (request, num_new), (start, _) in zip(out.scheduled, out.chunks(), strict=True):
+            computed += max(0, min(num_new, request.num_prompt_tokens - start))
         return out
 
     engine.engine_core.scheduler.schedule = counting_schedule

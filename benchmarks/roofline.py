@@ -109,10 +109,9 @@ class StepLog:
 
     def __call__(self):
         out = self.schedule()
-        # The requests' counts already include this step: out.seqs has them from before it.
+        # The requests' counts already include this step: out.chunks() has them from before.
         computed = sum(
-            chunk_flops(self.config, seq.num_computed_tokens, len(seq.token_ids), 0)
-            for seq in out.seqs
+            chunk_flops(self.config, start, num_new, 0) for start, num_new in out.chunks()
         )
         self.flops.append(computed + chunk_flops(self.config, 0, 0, len(out.row_requests)))
         self.waiting.append(bool(self.scheduler.waiting))

@@ -73,6 +73,7 @@ class EngineCore:
             num_scheduler_steps=config.num_scheduler_steps,
             placeholder_stride=seqs_bucket(config),
             max_loras=config.max_loras if config.enable_lora else 0,
+            steady_decode=worker.steady_decode,
         )
         self.num_steps = 0  # steps dispatched
         self.num_model_steps = 0  # forward passes they ran (several per multi-step step)
@@ -198,7 +199,9 @@ class EngineCore:
             try:
                 handle = self.worker.execute_model(out, in_flight[1] if in_flight else None)
             except Exception:
-                logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
+                logger.exception(
+                    "step failed; its %d requests finish with an error", len(out.scheduled)
+                )
                 outputs += self._fail_step(out)
         if in_flight is not None:
             outputs += self._complete(*in_flight)
@@ -215,7 +218,9 @@ class EngineCore:
         try:
             result = handle.result()
         except Exception:
-            logger.exception("step failed; its %d requests finish with an error", len(out.seqs))
+            logger.exception(
+                "step failed; its %d requests finish with an error", len(out.scheduled)
+            )
             return self._fail_step(out)
         self.device_wait_s += time.perf_counter() - start
         self.num_steps += 1

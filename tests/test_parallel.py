@@ -310,6 +310,7 @@ class _HostOnlyWorker:
         self.num_blocks, self.kv_spec = 64, KVCacheSpec(2, 2, 16, "float32")
         self.num_host_blocks = 0
         self.kv_groups = single_group(2)
+        self.steady_decode = False
 
 
 def _router(slack: int):

@@ -716,6 +716,12 @@ class KVCacheManager:
         """The request's block objects (a copy of the list; do not mutate the blocks)."""
         return list(self._get_state(request).blocks)
 
+    def fast_path_ends(self, requests: Sequence[KVCacheRequest]) -> list[int]:
+        """Each request's bound of `allocate_slots`' O(1) path: a request whose computed
+        tokens plus its new one stay within it needs nothing from the pool this step."""
+        states = self._requests
+        return [states[request.request_id].fast_path_end for request in requests]
+
     def table_update(self, request: KVCacheRequest) -> tuple[int, Sequence[int]]:
         """What the model runner's persistent copy of the request's table lacks: (start, the
         block ids from start on); its table is those after its first `start` entries, nothing

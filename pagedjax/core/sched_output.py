@@ -77,6 +77,19 @@ class SampleRow:
 
 
 @dataclass
+class DecodeStep:
+    """A steady decode step (`core/steady_batch.py`): the rows of the step that formed batch
+    `batch_id`, in the same order, each computing one token. The runner keeps the rest of
+    their inputs from that step (vLLM V1's persistent batch) and changes only these."""
+
+    batch_id: int
+    token_ids: list[int]  # each row's token (a placeholder: the previous step's sample)
+    positions: list[int]  # its position (the row's computed tokens)
+    # The rows whose block table changed: (row, request id, table_start, new_block_ids).
+    table_updates: list[tuple[int, Any, int, Sequence[int]]] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     """One step: what runs, in batch order, and what the runner needs to run it."""
 
@@ -106,6 +119,17 @@ class SchedulerOutput:
     # each row's sequence takes (fewer where its length limit comes first); empty for one.
     num_steps: int = 1
     row_steps: list[int] = field(default_factory=list)
+    # A steady decode step (then `seqs` and `rows` are empty: the runner has them), or the
+    # id of the steady batch this step forms (the runner keeps its inputs; 0: none).
+    decode: DecodeStep | None = None
+    batch_id: int = 0
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Each scheduled sequence's (computed tokens before the step, tokens it computes),
+        whichever way the step was scheduled."""
+        if self.decode is not None:
+            return [(position, 1) for position in self.decode.positions]
+        return [(s.num_computed_tokens, len(s.token_ids)) for s in self.seqs]
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -49,6 +51,7 @@ from pagedjax.core.sched_output import (
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.core.spec_decode import DraftModelSlots, SpecDecodeStats, SpeculativeConfig
+from pagedjax.core.steady_batch import SteadyBatch, plain_rows
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
@@ -128,13 +131,16 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         placeholder_stride: int = 0,
         max_loras: int = 0,
+        steady_decode: bool = False,
     ) -> None:
         """prefer_swap(num_computed_tokens): whether a victim with that much KV is swapped to
         the KV cache manager's host tier (if it has room) rather than recomputed; None:
         always recompute. speculative: propose draft tokens (None: no speculation).
         num_scheduler_steps: decode steps a step of only decodes may run; placeholder_stride:
         the runner's row stride between a step's iterations (the padded max_num_seqs);
-        max_loras: LoRA adapters the running requests may use at once (0: LoRA is off)."""
+        max_loras: LoRA adapters the running requests may use at once (0: LoRA is off);
+        steady_decode: schedule steady decode steps from arrays (`core/steady_batch.py`; the
+        model runner must keep their inputs: `ModelRunner.supports_steady_decode`)."""
         self.kv = kv_cache_manager
         self.max_loras = max_loras
         self.prefer_swap = prefer_swap
@@ -168,6 +174,20 @@ class Scheduler:
         self._speculating = False  # this step proposes drafts (set per schedule)
         self.num_scheduler_steps = num_scheduler_steps
         self.placeholder_stride = placeholder_stride
+        self._steady: SteadyBatch | None = None  # dropped whenever `running` changes
+        self._num_batches = 0  # steady batches formed (their ids)
+        self.steady_decode = steady_decode
+
+    @property
+    def steady_decode(self) -> bool:
+        """Whether steady decode steps are scheduled from arrays (`core/steady_batch.py`)."""
+        return self._steady_decode
+
+    @steady_decode.setter
+    def steady_decode(self, on: bool) -> None:
+        # Multi-step and speculative steps plan each row on the host: never steady.
+        self._steady_decode = on and self.num_scheduler_steps == 1 and self.speculative is None
+        self._steady = None  # the next step is a general one either way
 
     def limits(self) -> RequestLimits:
         return RequestLimits(
@@ -226,6 +246,7 @@ class Scheduler:
                 "which is not one of its candidates; return one of them"
             )
         self.running.remove(victim)
+        self._steady = None
         if (
             self.prefer_swap is not None
             and self.kv.can_swap_out(victim)
@@ -265,6 +286,11 @@ class Scheduler:
         return self.proposer.propose(request, limit)
 
     def schedule(self) -> SchedulerOutput:
+        if self._steady is not None:
+            out = self._schedule_steady(self._steady)
+            if out is not None:
+                return out
+            self._steady = None
         out = SchedulerOutput()
         spec = self.speculative
         self._speculating = spec is not None and (
@@ -301,6 +327,42 @@ class Scheduler:
                 continue  # how many tokens it gets is known only from the step's verdict
             tokens.append(placeholder_token(row))
             sampler.held = sampler.hold_samples
+        if self.steady_decode and self._running_sorted and self._forms_steady(out):
+            self._num_batches += 1
+            self._steady = SteadyBatch.form(
+                self._num_batches, self.running, self.kv, self.max_model_len
+            )
+            out.batch_id = self._num_batches
+        return out
+
+    def _forms_steady(self, out: SchedulerOutput) -> bool:
+        """Whether the step's requests are the running ones, in order, each computing one
+        token and sampling one plain row: the next steps may be steady."""
+        running = self.running
+        return (
+            out.scheduled
+            and not (out.preempted or out.forks or out.drafts or out.prompt_logprob_requests)
+            and len(out.scheduled) == len(running)
+            and all(num_new == 1 for _, num_new in out.scheduled)
+            and all(map(operator.is_, (r for r, _ in out.scheduled), running))
+            and all(map(operator.is_, out.row_requests, running))
+            and plain_rows(running, out.rows, _NO_BIAS)
+        )
+
+    def _schedule_steady(self, batch: SteadyBatch) -> SchedulerOutput | None:
+        """The steady batch's next step, or None when it is not steady (nothing changed but
+        slots taken, as the general way would take them)."""
+        if self.waiting or len(self.running) != len(batch.requests):
+            return None
+        step = batch.schedule(self.kv, self.max_num_batched_tokens)
+        if step is None:
+            return None
+        out = SchedulerOutput(decode=step, row_requests=batch.requests)
+        out.scheduled = list(zip(batch.requests, repeat(1)))
+        out.block_copies = self.kv.pop_block_copies()
+        out.swaps_out, out.swaps_in = self.kv.pop_swaps()
+        out.freed_request_ids = self.kv.pop_freed()
+        out.row_positions = batch.sample_positions()
         return out
 
     def _steps_left(self, request: EngineRequest, num_new: int) -> int:
@@ -797,6 +859,7 @@ class Scheduler:
 
     def _share_blocks(self, parent: EngineRequest, child: EngineRequest) -> None:
         """Runs `child` from `parent`'s computed tokens, sharing their blocks (copy-on-write)."""
+        self._steady = None
         child.num_computed_tokens = parent.num_computed_tokens
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
@@ -839,6 +902,7 @@ class Scheduler:
         """Removes a sequence wherever it is and frees its blocks, exactly once."""
         if request.status.finished:
             return
+        self._steady = None
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -53,6 +53,11 @@ class BlockTables:
         entry[1] = end
         return row
 
+    def rows_of(self, keys: Sequence[Hashable]) -> tuple[np.ndarray, int]:
+        """The keys' rows (known keys only), and the most entries any of them uses."""
+        entries = [self._entries[key] for key in keys]
+        return np.array([row for row, _ in entries], np.int64), max(n for _, n in entries)
+
     def gather(self, rows: Sequence[int], width: int) -> np.ndarray:
         """[len(rows), width] int32: the rows' first `width` entries, a new array."""
         if width > self.rows.shape[1]:

@@ -41,7 +41,12 @@ from models.tensor_parallel import TensorParallel, layout_lora
 from pagedjax.config import EngineConfig
 from pagedjax.constraints import MaskFiller, apply_processors
 from pagedjax.core.memory import KVCacheSpec
-from pagedjax.core.sched_output import ModelRunnerOutput, SampleRow, ScheduledSequence
+from pagedjax.core.sched_output import (
+    DecodeStep,
+    ModelRunnerOutput,
+    SampleRow,
+    ScheduledSequence,
+)
 from pagedjax.sampler import (
     SamplerOutput,
     SamplingKernels,
@@ -54,6 +59,7 @@ from pagedjax.sampler import (
 )
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.block_table import BlockTables
+from pagedjax.worker.decode_batch import DecodeBatch
 from pagedjax.worker.device_steps import decode_steps, forward_step, sample_step, set_rows
 from pagedjax.worker.draft_model import (
     ChainInputs,
@@ -342,6 +348,7 @@ class ModelRunner:
         # The last step's sampling arrays and what they were built from (`_sampling_metadata`).
         self._last_sampling: tuple[BatchSampling, SamplingMetadata] | None = None
         self._last_batch: BatchSampling | None = None  # the last step's (`_batch_sampling`)
+        self._decode_batch: DecodeBatch | None = None  # the steady batch's kept inputs
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._put(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
@@ -574,36 +581,14 @@ class ModelRunner:
         token's position, its number of drafts m). Their drafts' stand-ins become
         placeholders naming the drafts, after the previous step's samples."""
         num_tokens = sum(len(s.token_ids) for s in seqs)
-        t_pad = self._bucket_tokens(num_tokens)
-        s_pad = min(t_pad, self.max_seqs_bucket)
-        if len(seqs) > s_pad:
-            raise ValueError(f"{len(seqs)} sequences exceed max_num_seqs {self.max_seqs_bucket}")
         # The sequences' rows of the persistent tables, brought up to date, in one gather.
         update = self.block_tables.update
         table_rows = [update(s.request_id, s.table_start, s.new_block_ids) for s in seqs]
         most = max(s.table_start + len(s.new_block_ids) for s in seqs)
-        block_tables = self.block_tables.gather(table_rows, most)  # [len(seqs), most]
-        group_tables = [block_tables]  # every group's table is as long
-        for group, tables in enumerate(self.group_block_tables):
+        group_tables = [self.block_tables.gather(table_rows, most)]  # [len(seqs), most]
+        for group, tables in enumerate(self.group_block_tables):  # every one as long
             rows = [tables.update(s.request_id, *s.group_tables[group]) for s in seqs]
             group_tables.append(tables.gather(rows, most))
-        width = self._bucket_width(most)
-        bs = self.block_size
-        tokens, positions, slots = (
-            self._tokens[:t_pad],
-            self._positions[:t_pad],
-            self._slots[:, :t_pad],
-        )
-        tables, seq_lens = self._tables[:, :s_pad, :width], self._seq_lens[:s_pad]
-        query_start = self._query_start[: s_pad + 1]
-        slots[:, num_tokens:] = PAD_SLOT
-        tokens[num_tokens:] = 0
-        positions[num_tokens:] = 0
-        tables.fill(NULL_BLOCK)
-        for group, group_table in enumerate(group_tables):
-            tables[group, : len(seqs), : group_table.shape[1]] = group_table
-        seq_lens.fill(0)
-        query_start.fill(num_tokens)
         # Gathered in Python lists and written with one numpy call each: most sequences are
         # decodes of one token, for which a numpy call per sequence costs more than the work.
         step_tokens, step_positions, ends, lens = [], [], [], []
@@ -620,6 +605,55 @@ class ModelRunner:
             end += q_len
             ends.append(end)
             lens.append(computed + q_len)
+        if num_tokens == len(seqs):  # one token per sequence
+            owner = np.arange(num_tokens)
+        else:
+            owner = np.repeat(np.arange(len(seqs)), np.diff(ends, prepend=0))
+        inputs = self._fill_inputs(
+            group_tables, step_tokens, step_positions, owner, ends, lens, block_copies, seqs
+        )
+        s_pad = min(len(inputs[0]), self.max_seqs_bucket)
+        r_pad = max(len(inputs[0]) if rows_for_every_token else s_pad, next_power_of_2(num_rows))
+        return *inputs[:3], r_pad, *inputs[3:]
+
+    def _fill_inputs(
+        self,
+        group_tables: list[np.ndarray],
+        step_tokens: Sequence[int],
+        step_positions: Sequence[int],
+        owner: np.ndarray,
+        ends: Sequence[int],
+        lens: Sequence[int],
+        block_copies: Sequence[tuple[int, int]],
+        seqs: Sequence[ScheduledSequence] = (),
+    ) -> tuple:
+        """The step's buffers from its tokens (`owner`: each one's sequence), the sequences'
+        query ends and lengths, and each KV cache group's tables [seqs, blocks]; `seqs` for
+        their model drafts. Returns (tokens, positions, metadata, copies, sources, drafted):
+        views of buffers the next step refills (each consumer copies them before dispatch:
+        the forward packs them, the draft chain gathers its rows)."""
+        num_tokens, num_seqs = len(step_tokens), len(lens)
+        t_pad = self._bucket_tokens(num_tokens)
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        if num_seqs > s_pad:
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs {self.max_seqs_bucket}")
+        width = self._bucket_width(group_tables[0].shape[1])
+        bs = self.block_size
+        tokens, positions, slots = (
+            self._tokens[:t_pad],
+            self._positions[:t_pad],
+            self._slots[:, :t_pad],
+        )
+        tables, seq_lens = self._tables[:, :s_pad, :width], self._seq_lens[:s_pad]
+        query_start = self._query_start[: s_pad + 1]
+        slots[:, num_tokens:] = PAD_SLOT
+        tokens[num_tokens:] = 0
+        positions[num_tokens:] = 0
+        tables.fill(NULL_BLOCK)
+        for group, group_table in enumerate(group_tables):
+            tables[group, :num_seqs, : group_table.shape[1]] = group_table
+        seq_lens.fill(0)
+        query_start.fill(num_tokens)
         tokens[:num_tokens] = step_tokens
         drafted = []
         if self.draft is not None:
@@ -631,15 +665,11 @@ class ModelRunner:
         np.maximum(tokens, 0, out=tokens)
         positions[:num_tokens] = step_positions
         # Each token's slot from its sequence's table row, for all tokens at once.
-        if num_tokens == len(seqs):  # one token per sequence
-            owner = np.arange(num_tokens)
-        else:
-            owner = np.repeat(np.arange(len(seqs)), np.diff(ends, prepend=0))
         step = positions[:num_tokens]
         slots[:, :num_tokens] = tables[:, owner, step // bs] * bs + step % bs
-        seq_lens[: len(seqs)] = lens
+        seq_lens[:num_seqs] = lens
         query_start[0] = 0
-        query_start[1 : len(seqs) + 1] = ends
+        query_start[1 : num_seqs + 1] = ends
         copies = np.full(
             (next_power_of_2(len(block_copies)) if block_copies else 0, 2),
             NULL_BLOCK,
@@ -647,19 +677,16 @@ class ModelRunner:
         )
         if block_copies:
             copies[: len(block_copies)] = block_copies
-        # Views of buffers the next step refills: each consumer copies them before dispatch
-        # (the forward packs them, the draft chain gathers its rows).
         grouped = bool(self.kv_groups.metadata_dims)  # else without the group dimension
         metadata = AttentionMetadata(
             slot_mapping=slots if grouped else slots[0],
             block_tables=tables if grouped else tables[0],
             seq_lens=seq_lens,
             query_start_loc=query_start,
-            num_seqs=np.int32(len(seqs)),
+            num_seqs=np.int32(num_seqs),
             num_tokens=np.int32(num_tokens),
         )
-        r_pad = max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
-        return tokens, positions, metadata, r_pad, copies, sources, drafted
+        return tokens, positions, metadata, copies, sources, drafted
 
     def execute(
         self,
@@ -688,22 +715,106 @@ class ModelRunner:
         swaps: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]] = ((), ()),
         num_steps: int = 1,
         row_steps: Sequence[int] = (),
+        decode: DecodeStep | None = None,
+        batch_id: int = 0,
     ) -> StepHandle:
         """Dispatches one step without waiting for it: the swaps (device -> host copies,
         then host -> device), copy-on-write copies, the forward, a sample for each row, and
         the logprobs of the prompt tokens the sequences name (`num_prompt_logprobs` top
         ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device.
-        num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r]."""
+        num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r].
+        decode: a steady decode step of the batch a step with that `batch_id` formed (whose
+        inputs are kept: `decode_batch.py`)."""
         for tables in (self.block_tables, *self.group_block_tables):
             tables.forget(freed_request_ids)  # before the step's own updates
         self._swap(*swaps)
+        if decode is not None:
+            handle = self._dispatch_decode(decode, block_copies, previous)
+            return handle.prefetch() if self.prefetch_results else handle
+        self._decode_batch = None
         if not seqs:
             return StepHandle(None, None, None, None, 0, 0)
         if num_steps > 1:
             handle = self._dispatch_steps(seqs, rows, block_copies, previous, num_steps, row_steps)
         else:
             handle = self._dispatch_one(seqs, rows, block_copies, num_prompt_logprobs, previous)
+            if batch_id:
+                self._decode_batch = self._keep_batch(batch_id, seqs, rows)
         return handle.prefetch() if self.prefetch_results else handle
+
+    @property
+    def supports_steady_decode(self) -> bool:
+        """Whether this runner keeps a steady batch's inputs: none of the per-row state it
+        does not keep (a draft model's, adapters', several KV cache groups' tables)."""
+        return self.draft is None and self.lora is None and self.kv_groups.num_groups == 1
+
+    def _keep_batch(
+        self, batch_id: int, seqs: Sequence[ScheduledSequence], rows: Sequence[SampleRow]
+    ) -> DecodeBatch:
+        """What a steady batch's steps keep of the step that formed it (one token and one
+        plain sample row per sequence: the scheduler's `_forms_steady`)."""
+        if len(rows) != len(seqs) or any(len(s.token_ids) != 1 for s in seqs):
+            raise RuntimeError("a steady batch needs one token and one sample row a sequence")
+        table_rows, num_blocks = self.block_tables.rows_of([s.request_id for s in seqs])
+        n = len(seqs)
+        r_pad = max(min(self._bucket_tokens(n), self.max_seqs_bucket), next_power_of_2(n))
+        counters = _draw_counters(rows, r_pad)
+        return DecodeBatch.of(
+            batch_id, table_rows, num_blocks, counters, self._last_batch, list(rows),
+            self._decode_only(seqs),
+        )  # fmt: skip
+
+    def prepare_decode(self, decode: DecodeStep, block_copies: Sequence[tuple[int, int]]) -> tuple:
+        """`prepare` for a steady decode step, from the kept batch and the step's arrays:
+        (tokens, positions, metadata, copies, sources)."""
+        batch = self._decode_batch
+        if batch is None or batch.batch_id != decode.batch_id:
+            kept = batch.batch_id if batch else None
+            raise RuntimeError(
+                f"a steady step of batch {decode.batch_id} but the runner keeps batch {kept}"
+            )
+        for _, request_id, start, block_ids in decode.table_updates:
+            self.block_tables.update(request_id, start, block_ids)
+            batch.num_blocks = max(batch.num_blocks, start + len(block_ids))
+        tables = [self.block_tables.gather(batch.table_rows, batch.num_blocks)]
+        positions = np.asarray(decode.positions, np.int32)
+        tokens = np.asarray(decode.token_ids, np.int32)
+        inputs = self._fill_inputs(
+            tables, tokens, positions, batch.owner, batch.ends, positions + 1, block_copies
+        )
+        return inputs[:5]
+
+    def _dispatch_decode(
+        self,
+        decode: DecodeStep,
+        block_copies: Sequence[tuple[int, int]],
+        previous: StepHandle | None,
+    ) -> StepHandle:
+        """A steady decode step: the forward over the kept batch, a sample for each row."""
+        tokens, positions, metadata, copies, sources = self.prepare_decode(decode, block_copies)
+        batch = self._decode_batch
+        batch.counters[: len(batch.rows)] += 1  # one more token each
+        logits, self.kv_cache, steps = self._forward(
+            self.params,
+            tokens,
+            positions,
+            self.kv_cache,
+            metadata,
+            batch.logits_rows,
+            copies,
+            sources,
+            self._previous(previous),
+            decode_only=batch.decode_only,
+            steps=batch.counters,
+        )
+        sampling = batch.sampling
+        meta = self._sampling_metadata(batch.rows, sampling, steps)  # the kept arrays
+        layout = self._placeholder_layout
+        out, placeholders = sample_step(logits, meta, self.sampling, **sampling.flags(), **layout)
+        logprobs = out.logprobs if sampling.num_logprobs is not None else None
+        handle = StepHandle(out.token_ids, out.finite, logprobs, None, len(batch.rows), 0)
+        handle.placeholders = placeholders
+        return handle
 
     def _dispatch_one(
         self,

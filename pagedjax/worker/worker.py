@@ -522,9 +522,15 @@ class Worker:
         `previous`'s samples."""
         inputs = (out.seqs, out.freed_request_ids, out.rows, out.block_copies)
         inputs += (out.num_prompt_logprobs,)
-        swaps, steps = (out.swaps_out, out.swaps_in), (out.num_steps, out.row_steps)
+        swaps = (out.swaps_out, out.swaps_in)
+        steps = (out.num_steps, out.row_steps, out.decode, out.batch_id)
         self._publish("step", (*inputs, previous is not None, swaps, steps))
         return self.runner.dispatch(*inputs, previous, swaps, *steps)
+
+    @property
+    def steady_decode(self) -> bool:
+        """Whether the runner keeps a steady decode batch's inputs (`Scheduler(steady_decode)`)."""
+        return self.runner.supports_steady_decode
 
     def warmup(self) -> float:
         """Compiles every step shape; returns the seconds spent."""

@@ -1,0 +1,122 @@
+"""The steady decode batch: vLLM V1's persistent batch, on the scheduler's side.
+
+Most steps of a busy engine are alike: the same running requests, in the same order, each
+computing the token sampled one step before and sampling the next. While that holds, a step
+is worked out from the batch instead of request by request: the rows that reach the end of
+their KV slots (only they go through the KV cache manager, whose O(1) path the others would
+take; each is filed under the step that needs it), whether a row reaches its length limit
+(then the step is scheduled the general way), and the positions. The model runner keeps the
+rest of the rows' inputs from the step that formed the batch (`DecodeStep`).
+
+The requests stay the truth: each step still advances their computed tokens and appends
+their placeholders, so any step may be scheduled the general way. The batch lasts until the
+running requests change (an admission, a finish, a preemption, a fork): the scheduler drops
+it then, and a later general step forms a new one.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+
+from pagedjax.core.engine_request import EngineRequest
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_output import DecodeStep, SampleRow, placeholder_token
+
+
+def plain_rows(requests: Sequence[EngineRequest], rows: Sequence[SampleRow], bias: dict) -> bool:
+    """Whether each request samples exactly row i (in order) with nothing that changes from
+    step to step or needs the host between them: no bias (min_tokens), constraints, drafts,
+    held samples, penalties or adapter."""
+    return len(rows) == len(requests) and all(
+        row.seq_index == i
+        and row.extra_bias is bias
+        and row.constraints is None
+        and row.draft_token < 0
+        and request.constraints is None
+        and not request.needs_output_on_host
+        and not request.hold_samples
+        and not request.lora_id
+        for i, (request, row) in enumerate(zip(requests, rows, strict=True))
+    )
+
+
+@dataclass
+class SteadyBatch:
+    """The running requests of a steady decode batch, in row order. Row i's computed tokens
+    are its count when the batch formed plus the steps taken since: so no step looks at
+    every row, only at those a step number names (`due`)."""
+
+    batch_id: int
+    requests: list[EngineRequest]
+    base: list[int]  # [n] each request's computed tokens when the batch formed
+    # The first step at which a row is at its length limit (its last sample unknown, it
+    # is not scheduled: `Scheduler._must_wait`); the batch's steps end there.
+    last_step: int
+    # Step -> the rows whose token that step leaves the KV cache manager's O(1) path
+    # (`fast_path_ends`): they alone go through `allocate_slots`.
+    due: dict[int, list[int]]
+    placeholders: list[int]  # row i's placeholder token
+    num_steps: int = 0  # steps taken
+
+    @staticmethod
+    def form(
+        batch_id: int, requests: Sequence[EngineRequest], kv: KVCacheManager, max_model_len: int
+    ) -> SteadyBatch:
+        """The batch of `requests`, each holding one token more than it computed."""
+        requests = list(requests)
+        base = [r.num_computed_tokens for r in requests]
+        limits = (min(r.num_prompt_tokens + r.max_tokens, max_model_len) for r in requests)
+        batch = SteadyBatch(
+            batch_id,
+            requests,
+            base,
+            min(limit - 1 - b for limit, b in zip(limits, base, strict=True)),
+            {},
+            [placeholder_token(row) for row in range(len(requests))],
+        )
+        batch._schedule_slots(range(len(requests)), kv)
+        return batch
+
+    def _schedule_slots(self, rows: Iterable[int], kv: KVCacheManager) -> None:
+        """Files each row under the next step that needs its KV cache manager's slow path."""
+        rows = list(rows)
+        ends = kv.fast_path_ends([self.requests[row] for row in rows])
+        due, now = self.due, self.num_steps
+        for row, end in zip(rows, ends, strict=True):
+            due.setdefault(max(now, end - self.base[row]), []).append(row)
+
+    def schedule(self, kv: KVCacheManager, budget: int) -> DecodeStep | None:
+        """The next step of every row: slots for the rows that need them, then each request
+        advanced by one computed token and one placeholder. None (nothing advanced; slots
+        taken stay, as the general way would take them) when the step is not steady: the
+        budget is short, a row is at its length limit, or the pool is out of blocks."""
+        requests, step = self.requests, self.num_steps
+        if len(requests) > budget or step >= self.last_step:
+            return None
+        grown = self.due.pop(step, [])
+        for row in grown:
+            if kv.allocate_slots(requests[row], 1) is None:
+                return None  # the general way preempts (and sees these tables' changes)
+        updates = []
+        for row in grown:
+            request = requests[row]
+            start, block_ids = kv.table_update(request)
+            if block_ids:
+                updates.append((row, request.request_id, start, block_ids))
+        # The rows' tokens: the last step's samples (placeholders), or sampled tokens when
+        # that step's result came back first (async scheduling off).
+        token_ids = [r.all_token_ids[-1] for r in requests]
+        positions = list(map(operator.add, self.base, repeat(step)))
+        for request, placeholder in zip(requests, self.placeholders, strict=True):
+            request.num_computed_tokens += 1
+            request.all_token_ids.append(placeholder)
+        self.num_steps = step + 1
+        self._schedule_slots(grown, kv)
+        return DecodeStep(self.batch_id, token_ids, positions, updates)
+
+    def sample_positions(self) -> list[int]:
+        """Where each row's sample of the last step goes (its computed tokens now)."""
+        return list(map(operator.add, self.base, repeat(self.num_steps)))

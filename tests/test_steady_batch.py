@@ -1,0 +1,215 @@
+"""Steady decode steps (`core/steady_batch.py`, `worker/decode_batch.py`): the same steps as
+the general way, scheduled from arrays, with the runner keeping the rest of the inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax.core.engine_request import EngineRequest, RequestStatus
+from pagedjax.core.kv_cache_manager import KVCacheManager
+from pagedjax.core.sched_output import DecodeStep, ModelRunnerOutput
+from pagedjax.core.scheduler import Scheduler
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.block_table import BlockTables
+from tests.test_engine import GREEDY, make_engine, make_prompts, run
+
+STOP = 2
+
+
+def make(steady: bool, num_blocks: int, **options) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, 4),
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=64,
+        steady_decode=steady,
+        **options,
+    )
+
+
+def request(index: int, prompt_len: int, max_tokens: int, **params) -> EngineRequest:
+    # Prompts that share their first block: the prefix cache serves the later ones.
+    prompt = [5, 6, 7, 8] + [10 + index + j for j in range(prompt_len - 4)]
+    return EngineRequest(
+        f"r{index}",
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),
+        max_tokens=max_tokens,
+        seed=index,
+        stop_token_ids=frozenset({STOP}),
+    )
+
+
+def sample(out) -> ModelRunnerOutput:
+    """Each row's token from its request and position (the same in both schedulers): now and
+    then the stop token."""
+    tokens = [
+        STOP
+        if (sum(map(ord, r.request_id)) + p) % 23 == 0
+        else 3 + (7 * p + len(r.request_id)) % 40
+        for r, p in zip(out.row_requests, out.row_positions, strict=True)
+    ]
+    rows = len(tokens)
+    return ModelRunnerOutput(np.array(tokens, np.int32), np.ones(rows, bool))
+
+
+def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
+    """What a step hands the runner, the same way whichever way it was scheduled; `tables`
+    is the runner's persistent copy, brought up to date from the step's table changes."""
+    tables.forget(out.freed_request_ids)
+    if out.decode is not None:
+        for _, request_id, start, block_ids in out.decode.table_updates:
+            tables.update(request_id, start, block_ids)
+        requests = out.row_requests
+        seqs = [
+            (r.request_id, [int(t)], int(p))
+            for r, t, p in zip(requests, out.decode.token_ids, out.decode.positions, strict=True)
+        ]
+    else:
+        for seq in out.seqs:
+            tables.update(seq.request_id, seq.table_start, seq.new_block_ids)
+        seqs = [(s.request_id, list(s.token_ids), s.num_computed_tokens) for s in out.seqs]
+    kv = scheduler.kv
+    for request, _ in out.scheduled:  # the runner's tables are the manager's
+        rows, length = tables.rows_of([request.request_id])
+        assert tables.gather(rows, length)[0].tolist() == kv.get_block_ids(request)
+    return {
+        "seqs": seqs,
+        "rows": list(zip([r.request_id for r in out.row_requests], out.row_positions, strict=True)),
+        "copies": list(out.block_copies),
+        "preempted": [r.request_id for r in out.preempted],
+        "running": [
+            (r.request_id, r.num_computed_tokens, list(r.all_token_ids)) for r in scheduler.running
+        ],
+        "free_blocks": kv.num_free_blocks,
+    }
+
+
+def drive(steady: bool, async_scheduling: bool, num_blocks: int, events: dict) -> tuple:
+    """Steps until every request is done; `events[step]` runs before that step's schedule."""
+    scheduler, tables = make(steady, num_blocks), BlockTables(4, 4)
+    views, num_steady, in_flight, step = [], 0, None, 0
+    while step < 400 and (scheduler.has_unfinished_requests() or in_flight or step in events):
+        if step in events:
+            events[step](scheduler)
+        out = scheduler.schedule()
+        num_steady += out.decode is not None
+        views.append(step_view(scheduler, out, tables))
+        if async_scheduling:
+            if in_flight is not None:
+                scheduler.update_from_output(*in_flight)
+            in_flight = (out, sample(out)) if out.scheduled else None
+        elif out.scheduled:
+            scheduler.update_from_output(out, sample(out))
+        step += 1
+    return views, num_steady, [r.status for r in scheduler.requests.values()]
+
+
+def requests_arrive(*requests: EngineRequest):
+    def add(scheduler: Scheduler) -> None:
+        for r in requests:
+            scheduler.add_request(r)
+
+    return add
+
+
+def abort(request_id: str):
+    return lambda scheduler: scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("num_blocks", [64, 14])  # 14: preemptions
+def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks):
+    """The same requests, sampled tokens and events, scheduled with steady steps and
+    without: every step hands the runner the same tokens, positions and tables, and the
+    requests, the pool and the outputs' positions are the same after each."""
+
+    def events():
+        return {
+            0: requests_arrive(*(request(i, 5 + 3 * i, 30 - 3 * i) for i in range(4))),
+            9: requests_arrive(request(4, 6, 20), request(5, 9, 12, logprobs=2)),
+            17: abort("r1"),
+            30: requests_arrive(request(6, 4, 25, n=2, temperature=0.8)),
+        }
+
+    general = drive(False, async_scheduling, num_blocks, events())
+    steady = drive(True, async_scheduling, num_blocks, events())
+    assert steady[0] == general[0]
+    assert steady[2] == general[2]
+    assert general[1] == 0 and steady[1] >= len(steady[0]) // 3  # most steps are steady
+    if num_blocks == 14:
+        assert any(view["preempted"] for view in general[0])
+
+
+def test_a_row_at_its_length_limit_ends_the_steady_steps():
+    """With async scheduling a request at its limit must not be scheduled before its last
+    sample is back: that step is scheduled the general way, without it."""
+    scheduler = make(True, 64)
+    for i in range(2):
+        scheduler.add_request(request(i, 4, 3 + 4 * i))
+    out, in_flight, kinds = None, None, []
+    for _ in range(12):
+        out = scheduler.schedule()
+        kinds.append((out.decode is not None, len(out.scheduled)))
+        if in_flight is not None:
+            scheduler.update_from_output(*in_flight)
+        in_flight = (out, sample(out)) if out.scheduled else None
+    # prefill, forms the batch, steady, then r0 waits for its third token: general.
+    assert kinds[:4] == [(False, 2), (False, 2), (True, 2), (False, 1)]
+
+
+def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list, int, int]:
+    """Every request's completions (tokens, logprobs), the steady steps dispatched, and the
+    preemptions."""
+    engine = make_engine(tiny, **options)
+    engine.engine_core.scheduler.steady_decode = steady
+    runner = engine.engine_core.worker.runner
+    dispatch, steps = runner._dispatch_decode, []
+
+    def counted(*args):
+        steps.append(1)
+        return dispatch(*args)
+
+    runner._dispatch_decode = counted
+    outputs = run(engine, prompts, params)
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
+    completions = [
+        [(list(c.token_ids), repr(c.logprobs), c.finish_reason) for c in out.outputs]
+        for out in outputs
+    ]
+    return completions, len(steps), engine.engine_core.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(async_scheduling=False),
+        dict(num_kv_blocks=14, block_size=8, max_model_len=64),  # preemptions
+    ],
+)
+def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):
+    """Greedy and seeded rows, logprobs, n = 2, stop tokens and min_tokens: the same
+    completions with steady steps as without, and most steps steady."""
+    prompts = make_prompts(6, seed=5)
+    params = [
+        SamplingParams(max_tokens=24, **GREEDY),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=3, logprobs=2),
+        SamplingParams(max_tokens=16, temperature=0.7, seed=4, n=2),
+        SamplingParams(max_tokens=24, min_tokens=6, temperature=1.0, seed=5),
+        SamplingParams(max_tokens=12, top_k=5, temperature=1.0, seed=6, stop_token_ids=[9]),
+        SamplingParams(max_tokens=22, **GREEDY),
+    ]
+    general, none, preemptions = engine_outputs(tiny, False, prompts, params, **options)
+    steady, num_steady, _ = engine_outputs(tiny, True, prompts, params, **options)
+    assert steady == general
+    assert none == 0 and num_steady >= 6
+    assert preemptions > 0 or "num_kv_blocks" not in options
+
+
+def test_the_runner_refuses_a_steady_step_of_a_batch_it_does_not_keep(tiny):
+    runner = make_engine(tiny).engine_core.worker.runner
+    step = DecodeStep(7, [0], [0])
+    with pytest.raises(RuntimeError, match="steady step of batch 7"):
+        runner.dispatch([], [], [], decode=step)

@@ -17,11 +17,11 @@ from tests.test_engine import GREEDY, make_engine, make_prompts, run
 STOP = 2
 
 
-def make(steady: bool, num_blocks: int, **options) -> Scheduler:
+def make(steady: bool, num_blocks: int, max_seqs: int = 8, **options) -> Scheduler:
     return Scheduler(
         KVCacheManager(num_blocks, 4),
         max_num_batched_tokens=32,
-        max_num_seqs=8,
+        max_num_seqs=max_seqs,
         max_model_len=64,
         steady_decode=steady,
         **options,
@@ -82,19 +82,23 @@ def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
         "running": [
             (r.request_id, r.num_computed_tokens, list(r.all_token_ids)) for r in scheduler.running
         ],
+        "waiting": [r.request_id for r in scheduler.waiting],
         "free_blocks": kv.num_free_blocks,
     }
 
 
-def drive(steady: bool, async_scheduling: bool, num_blocks: int, events: dict) -> tuple:
+def drive(
+    steady: bool, async_scheduling: bool, num_blocks: int, events: dict, max_seqs: int = 8
+) -> tuple:
     """Steps until every request is done; `events[step]` runs before that step's schedule."""
-    scheduler, tables = make(steady, num_blocks), BlockTables(4, 4)
-    views, num_steady, in_flight, step = [], 0, None, 0
+    scheduler, tables = make(steady, num_blocks, max_seqs), BlockTables(4, 4)
+    views, num_steady, queued, in_flight, step = [], 0, 0, None, 0
     while step < 400 and (scheduler.has_unfinished_requests() or in_flight or step in events):
         if step in events:
             events[step](scheduler)
         out = scheduler.schedule()
         num_steady += out.decode is not None
+        queued += out.decode is not None and bool(scheduler.waiting)
         views.append(step_view(scheduler, out, tables))
         if async_scheduling:
             if in_flight is not None:
@@ -103,7 +107,7 @@ def drive(steady: bool, async_scheduling: bool, num_blocks: int, events: dict) -
         elif out.scheduled:
             scheduler.update_from_output(out, sample(out))
         step += 1
-    return views, num_steady, [r.status for r in scheduler.requests.values()]
+    return views, num_steady, [r.status for r in scheduler.requests.values()], queued
 
 
 def requests_arrive(*requests: EngineRequest):
@@ -119,8 +123,11 @@ def abort(request_id: str):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("num_blocks", [64, 14])  # 14: preemptions
-def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks):
+@pytest.mark.parametrize(
+    "num_blocks,max_seqs",
+    [(64, 8), (14, 8), (64, 3)],  # 14 blocks: preemptions; 3 slots: requests wait for one
+)
+def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_seqs):
     """The same requests, sampled tokens and events, scheduled with steady steps and
     without: every step hands the runner the same tokens, positions and tables, and the
     requests, the pool and the outputs' positions are the same after each."""
@@ -128,18 +135,21 @@ def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks):
     def events():
         return {
             0: requests_arrive(*(request(i, 5 + 3 * i, 30 - 3 * i) for i in range(4))),
+            4: requests_arrive(request(7, 7, 9)),  # into a steady batch
             9: requests_arrive(request(4, 6, 20), request(5, 9, 12, logprobs=2)),
             17: abort("r1"),
             30: requests_arrive(request(6, 4, 25, n=2, temperature=0.8)),
         }
 
-    general = drive(False, async_scheduling, num_blocks, events())
-    steady = drive(True, async_scheduling, num_blocks, events())
+    general = drive(False, async_scheduling, num_blocks, events(), max_seqs)
+    steady = drive(True, async_scheduling, num_blocks, events(), max_seqs)
     assert steady[0] == general[0]
     assert steady[2] == general[2]
-    assert general[1] == 0 and steady[1] >= len(steady[0]) // 3  # most steps are steady
+    assert general[1] == 0 and steady[1] >= len(steady[0]) // 4  # many steps are steady
     if num_blocks == 14:
         assert any(view["preempted"] for view in general[0])
+    if max_seqs == 3:  # steady steps with requests waiting for a slot
+        assert steady[3] > 0
 
 
 def test_a_row_at_its_length_limit_ends_the_steady_steps():
@@ -187,6 +197,7 @@ def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list
         dict(),
         dict(async_scheduling=False),
         dict(num_kv_blocks=14, block_size=8, max_model_len=64),  # preemptions
+        dict(max_num_seqs=3),  # requests wait for a slot
     ],
 )
 def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):

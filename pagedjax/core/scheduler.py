@@ -139,8 +139,8 @@ class Scheduler:
         num_scheduler_steps: decode steps a step of only decodes may run; placeholder_stride:
         the runner's row stride between a step's iterations (the padded max_num_seqs);
         max_loras: LoRA adapters the running requests may use at once (0: LoRA is off);
-        steady_decode: schedule steady decode steps from arrays (`core/steady_batch.py`; the
-        model runner must keep their inputs: `ModelRunner.supports_steady_decode`)."""
+        steady_decode: schedule steady decode steps from their batch (`core/steady_batch.py`;
+        the model runner must keep their inputs: `ModelRunner.supports_steady_decode`)."""
         self.kv = kv_cache_manager
         self.max_loras = max_loras
         self.prefer_swap = prefer_swap
@@ -180,7 +180,7 @@ class Scheduler:
 
     @property
     def steady_decode(self) -> bool:
-        """Whether steady decode steps are scheduled from arrays (`core/steady_batch.py`)."""
+        """Whether steady decode steps are scheduled from their batch (`core/steady_batch.py`)."""
         return self._steady_decode
 
     @steady_decode.setter
@@ -340,7 +340,7 @@ class Scheduler:
         token and sampling one plain row: the next steps may be steady."""
         running = self.running
         return (
-            out.scheduled
+            bool(out.scheduled)
             and not (out.preempted or out.forks or out.drafts or out.prompt_logprob_requests)
             and len(out.scheduled) == len(running)
             and all(num_new == 1 for _, num_new in out.scheduled)
@@ -351,8 +351,10 @@ class Scheduler:
 
     def _schedule_steady(self, batch: SteadyBatch) -> SchedulerOutput | None:
         """The steady batch's next step, or None when it is not steady (nothing changed but
-        slots taken, as the general way would take them)."""
-        if self.waiting or len(self.running) != len(batch.requests):
+        slots taken, as the general way would take them). Waiting requests keep it steady
+        only while every sequence slot is taken: none could be admitted."""
+        num_running = len(self.running)
+        if num_running != len(batch.requests) or (self.waiting and num_running < self.max_num_seqs):
             return None
         step = batch.schedule(self.kv, self.max_num_batched_tokens)
         if step is None:

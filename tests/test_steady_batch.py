@@ -59,7 +59,7 @@ def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
     is the runner's persistent copy, brought up to date from the step's table changes."""
     tables.forget(out.freed_request_ids)
     if out.decode is not None:
-        for _, request_id, start, block_ids in out.decode.table_updates:
+        for request_id, start, block_ids in out.decode.table_updates:
             tables.update(request_id, start, block_ids)
         requests = out.row_requests
         seqs = [
@@ -92,13 +92,14 @@ def drive(
 ) -> tuple:
     """Steps until every request is done; `events[step]` runs before that step's schedule."""
     scheduler, tables = make(steady, num_blocks, max_seqs), BlockTables(4, 4)
-    views, num_steady, queued, in_flight, step = [], 0, 0, None, 0
+    views, num_steady, queued, removals, in_flight, step = [], 0, 0, 0, None, 0
     while step < 400 and (scheduler.has_unfinished_requests() or in_flight or step in events):
         if step in events:
             events[step](scheduler)
         out = scheduler.schedule()
         num_steady += out.decode is not None
         queued += out.decode is not None and bool(scheduler.waiting)
+        removals += out.decode is not None and len(out.decode.removed)
         views.append(step_view(scheduler, out, tables))
         if async_scheduling:
             if in_flight is not None:
@@ -107,7 +108,8 @@ def drive(
         elif out.scheduled:
             scheduler.update_from_output(out, sample(out))
         step += 1
-    return views, num_steady, [r.status for r in scheduler.requests.values()], queued
+    statuses = [r.status for r in scheduler.requests.values()]
+    return views, num_steady, statuses, queued, removals
 
 
 def requests_arrive(*requests: EngineRequest):
@@ -150,11 +152,12 @@ def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_se
         assert any(view["preempted"] for view in general[0])
     if max_seqs == 3:  # steady steps with requests waiting for a slot
         assert steady[3] > 0
+    assert steady[4] > 0  # rows of finished requests left steady batches
 
 
-def test_a_row_at_its_length_limit_ends_the_steady_steps():
+def test_a_row_at_its_length_limit_leaves_the_steady_batch():
     """With async scheduling a request at its limit must not be scheduled before its last
-    sample is back: that step is scheduled the general way, without it."""
+    sample is back: it leaves the batch, whose steps go on without it."""
     scheduler = make(True, 64)
     for i in range(2):
         scheduler.add_request(request(i, 4, 3 + 4 * i))
@@ -165,8 +168,8 @@ def test_a_row_at_its_length_limit_ends_the_steady_steps():
         if in_flight is not None:
             scheduler.update_from_output(*in_flight)
         in_flight = (out, sample(out)) if out.scheduled else None
-    # prefill, forms the batch, steady, then r0 waits for its third token: general.
-    assert kinds[:4] == [(False, 2), (False, 2), (True, 2), (False, 1)]
+    # prefill, forms the batch, steady, then r0 waits for its third token: without it.
+    assert kinds[:5] == [(False, 2), (False, 2), (True, 2), (True, 1), (True, 1)]
 
 
 def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list, int, int]:
@@ -175,20 +178,25 @@ def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list
     engine = make_engine(tiny, **options)
     engine.engine_core.scheduler.steady_decode = steady
     runner = engine.engine_core.worker.runner
-    dispatch, steps = runner._dispatch_decode, []
+    dispatch, shrink, steps = runner._dispatch_decode, runner._shrink, []
 
     def counted(*args):
         steps.append(1)
         return dispatch(*args)
 
-    runner._dispatch_decode = counted
+    def shrunk(*args):
+        steps.append(0)  # a batch left by finished requests
+        return shrink(*args)
+
+    runner._dispatch_decode, runner._shrink = counted, shrunk
     outputs = run(engine, prompts, params)
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
     completions = [
         [(list(c.token_ids), repr(c.logprobs), c.finish_reason) for c in out.outputs]
         for out in outputs
     ]
-    return completions, len(steps), engine.engine_core.scheduler.num_preemptions
+    assert not steady or 0 in steps
+    return completions, sum(steps), engine.engine_core.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize(
@@ -224,3 +232,16 @@ def test_the_runner_refuses_a_steady_step_of_a_batch_it_does_not_keep(tiny):
     step = DecodeStep(7, [0], [0])
     with pytest.raises(RuntimeError, match="steady step of batch 7"):
         runner.dispatch([], [], [], decode=step)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_row_leaving_at_a_block_boundary_takes_no_block(async_scheduling):
+    """r0's limit falls where its next token would open a block: it leaves the batch
+    without that block, as the general way never schedules that token."""
+
+    def events():
+        return {0: requests_arrive(request(0, 4, 5), request(1, 4, 13), request(2, 5, 13))}
+
+    general = drive(False, async_scheduling, 64, events())
+    steady = drive(True, async_scheduling, 64, events())
+    assert steady[0] == general[0] and steady[1] > 0

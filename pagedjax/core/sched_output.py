@@ -79,14 +79,17 @@ class SampleRow:
 @dataclass
 class DecodeStep:
     """A steady decode step (`core/steady_batch.py`): the rows of the step that formed batch
-    `batch_id`, in the same order, each computing one token. The runner keeps the rest of
-    their inputs from that step (vLLM V1's persistent batch) and changes only these."""
+    `batch_id`, in the same order, but for those removed since, each computing one token.
+    The runner keeps the rest of their inputs from that step (vLLM V1's persistent batch)
+    and changes only these."""
 
     batch_id: int
     token_ids: list[int]  # each row's token (a placeholder: the previous step's sample)
     positions: list[int]  # its position (the row's computed tokens)
-    # The rows whose block table changed: (row, request id, table_start, new_block_ids).
-    table_updates: list[tuple[int, Any, int, Sequence[int]]] = field(default_factory=list)
+    # The requests whose block table changed: (request id, table_start, new_block_ids).
+    table_updates: list[tuple[Any, int, Sequence[int]]] = field(default_factory=list)
+    # Rows removed since the last step (finished), each numbered after the ones before it.
+    removed: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -354,12 +354,12 @@ class Scheduler:
         slots taken, as the general way would take them). Waiting requests keep it steady
         only while every sequence slot is taken: none could be admitted."""
         num_running = len(self.running)
-        if num_running != len(batch.requests) or (self.waiting and num_running < self.max_num_seqs):
+        if num_running != batch.num_running or (self.waiting and num_running < self.max_num_seqs):
             return None
         step = batch.schedule(self.kv, self.max_num_batched_tokens)
         if step is None:
             return None
-        out = SchedulerOutput(decode=step, row_requests=batch.requests)
+        out = SchedulerOutput(decode=step, row_requests=list(batch.requests))
         out.scheduled = list(zip(batch.requests, repeat(1)))
         out.block_copies = self.kv.pop_block_copies()
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
@@ -904,8 +904,9 @@ class Scheduler:
         """Removes a sequence wherever it is and frees its blocks, exactly once."""
         if request.status.finished:
             return
-        self._steady = None
         if request in self.running:
+            if self._steady is not None:  # every running request is in it
+                self._steady.remove(request)
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)

@@ -17,8 +17,8 @@ it then, and a later general step forms a new one.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
 
 from pagedjax.core.engine_request import EngineRequest
@@ -47,19 +47,25 @@ def plain_rows(requests: Sequence[EngineRequest], rows: Sequence[SampleRow], bia
 class SteadyBatch:
     """The running requests of a steady decode batch, in row order. Row i's computed tokens
     are its count when the batch formed plus the steps taken since: so no step looks at
-    every row, only at those a step number names (`due`)."""
+    every row, only at those a step number names (`due`). A request that finishes, or
+    reaches its length limit (it waits for its last sample, then finishes: `retired`),
+    leaves its row; the rows after it move up, in order, as in `Scheduler.running`."""
 
     batch_id: int
     requests: list[EngineRequest]
     base: list[int]  # [n] each request's computed tokens when the batch formed
-    # The first step at which a row is at its length limit (its last sample unknown, it
-    # is not scheduled: `Scheduler._must_wait`); the batch's steps end there.
-    last_step: int
-    # Step -> the rows whose token that step leaves the KV cache manager's O(1) path
+    # [n] the step from which a row is at its length limit (its last sample unknown, it is
+    # not scheduled: `Scheduler._must_wait`): the batch's steps end at the first.
+    limits: list[int]
+    # Step -> the requests whose token that step leaves the KV cache manager's O(1) path
     # (`fast_path_ends`): they alone go through `allocate_slots`.
-    due: dict[int, list[int]]
+    due: dict[int, list[EngineRequest]]
     placeholders: list[int]  # row i's placeholder token
     num_steps: int = 0  # steps taken
+    # Rows removed since the last step, each numbered after the removals before it.
+    removed: list[int] = field(default_factory=list)
+    # Running requests out of the batch at their length limit: they finish next.
+    retired: set[EngineRequest] = field(default_factory=set)
 
     @staticmethod
     def form(
@@ -73,39 +79,65 @@ class SteadyBatch:
             batch_id,
             requests,
             base,
-            min(limit - 1 - b for limit, b in zip(limits, base, strict=True)),
+            [limit - 1 - b for limit, b in zip(limits, base, strict=True)],
             {},
             [placeholder_token(row) for row in range(len(requests))],
         )
-        batch._schedule_slots(range(len(requests)), kv)
+        batch._schedule_slots(requests, kv)
         return batch
 
-    def _schedule_slots(self, rows: Iterable[int], kv: KVCacheManager) -> None:
-        """Files each row under the next step that needs its KV cache manager's slow path."""
-        rows = list(rows)
-        ends = kv.fast_path_ends([self.requests[row] for row in rows])
+    def _schedule_slots(self, requests: list[EngineRequest], kv: KVCacheManager) -> None:
+        """Files each request under the next step that needs the KV cache manager's slow
+        path for it."""
         due, now = self.due, self.num_steps
-        for row, end in zip(rows, ends, strict=True):
-            due.setdefault(max(now, end - self.base[row]), []).append(row)
+        for request, end in zip(requests, kv.fast_path_ends(requests), strict=True):
+            base = request.num_computed_tokens - now
+            due.setdefault(max(now, end - base), []).append(request)
+
+    @property
+    def num_running(self) -> int:
+        """The running requests the batch stands for."""
+        return len(self.requests) + len(self.retired)
+
+    def remove(self, request: EngineRequest) -> None:
+        """Takes a finished request out."""
+        if request in self.retired:
+            self.retired.remove(request)
+        else:
+            self._remove_row(self.requests.index(request))
+
+    def _remove_row(self, row: int) -> None:
+        del self.requests[row], self.base[row], self.limits[row], self.placeholders[-1]
+        self.removed.append(row)
+
+    def _retire(self, step: int) -> None:
+        """Takes out the rows at their length limit: as the general way, which does not
+        schedule them, the update of their last sample finishes them."""
+        limits = self.limits
+        for row in reversed([row for row, limit in enumerate(limits) if limit <= step]):
+            self.retired.add(self.requests[row])
+            self._remove_row(row)
 
     def schedule(self, kv: KVCacheManager, budget: int) -> DecodeStep | None:
         """The next step of every row: slots for the rows that need them, then each request
         advanced by one computed token and one placeholder. None (nothing advanced; slots
         taken stay, as the general way would take them) when the step is not steady: the
         budget is short, a row is at its length limit, or the pool is out of blocks."""
-        requests, step = self.requests, self.num_steps
-        if len(requests) > budget or step >= self.last_step:
+        step = self.num_steps
+        if self.limits and min(self.limits) <= step:
+            self._retire(step)
+        requests, retired = self.requests, self.retired
+        if not requests or len(requests) > budget:
             return None
-        grown = self.due.pop(step, [])
-        for row in grown:
-            if kv.allocate_slots(requests[row], 1) is None:
+        grown = [r for r in self.due.pop(step, ()) if not r.status.finished and r not in retired]
+        for request in grown:
+            if kv.allocate_slots(request, 1) is None:
                 return None  # the general way preempts (and sees these tables' changes)
         updates = []
-        for row in grown:
-            request = requests[row]
+        for request in grown:
             start, block_ids = kv.table_update(request)
             if block_ids:
-                updates.append((row, request.request_id, start, block_ids))
+                updates.append((request.request_id, start, block_ids))
         # The rows' tokens: the last step's samples (placeholders), or sampled tokens when
         # that step's result came back first (async scheduling off).
         token_ids = [r.all_token_ids[-1] for r in requests]
@@ -115,7 +147,8 @@ class SteadyBatch:
             request.all_token_ids.append(placeholder)
         self.num_steps = step + 1
         self._schedule_slots(grown, kv)
-        return DecodeStep(self.batch_id, token_ids, positions, updates)
+        removed, self.removed = self.removed, []
+        return DecodeStep(self.batch_id, token_ids, positions, updates, removed)
 
     def sample_positions(self) -> list[int]:
         """Where each row's sample of the last step goes (its computed tokens now)."""

@@ -755,13 +755,31 @@ class ModelRunner:
         plain sample row per sequence: the scheduler's `_forms_steady`)."""
         if len(rows) != len(seqs) or any(len(s.token_ids) != 1 for s in seqs):
             raise RuntimeError("a steady batch needs one token and one sample row a sequence")
-        table_rows, num_blocks = self.block_tables.rows_of([s.request_id for s in seqs])
-        n = len(seqs)
-        r_pad = max(min(self._bucket_tokens(n), self.max_seqs_bucket), next_power_of_2(n))
-        counters = _draw_counters(rows, r_pad)
+        request_ids = [s.request_id for s in seqs]
+        table_rows, num_blocks = self.block_tables.rows_of(request_ids)
+        counters = _draw_counters(rows, self._rows_bucket(len(rows)))
         return DecodeBatch.of(
-            batch_id, table_rows, num_blocks, counters, self._last_batch, list(rows),
-            self._decode_only(seqs),
+            batch_id, request_ids, table_rows, num_blocks, counters, self._last_batch,
+            list(rows), self._decode_only(seqs),
+        )  # fmt: skip
+
+    def _rows_bucket(self, num_rows: int) -> int:
+        """The sample rows of a step of num_rows one-token sequences, padded (`prepare`)."""
+        s_pad = min(self._bucket_tokens(num_rows), self.max_seqs_bucket)
+        return max(s_pad, next_power_of_2(num_rows))
+
+    def _shrink(self, batch: DecodeBatch, removed: Sequence[int]) -> DecodeBatch:
+        """The kept batch without the `removed` rows (finished): its layout and sampling
+        arrays for the rows left."""
+        request_ids, rows, table_rows, counters = batch.without(removed)
+        _, num_blocks = self.block_tables.rows_of(request_ids)
+        r_pad = self._rows_bucket(len(rows))
+        padded = np.zeros(r_pad, np.int32)
+        padded[: len(rows)] = counters
+        sampling = self._batch_sampling(rows, r_pad)
+        return DecodeBatch.of(
+            batch.batch_id, request_ids, table_rows, num_blocks, padded, sampling, rows,
+            batch.decode_only,
         )  # fmt: skip
 
     def prepare_decode(self, decode: DecodeStep, block_copies: Sequence[tuple[int, int]]) -> tuple:
@@ -773,7 +791,9 @@ class ModelRunner:
             raise RuntimeError(
                 f"a steady step of batch {decode.batch_id} but the runner keeps batch {kept}"
             )
-        for _, request_id, start, block_ids in decode.table_updates:
+        if decode.removed:
+            batch = self._decode_batch = self._shrink(batch, decode.removed)
+        for request_id, start, block_ids in decode.table_updates:
             self.block_tables.update(request_id, start, block_ids)
             batch.num_blocks = max(batch.num_blocks, start + len(block_ids))
         tables = [self.block_tables.gather(batch.table_rows, batch.num_blocks)]

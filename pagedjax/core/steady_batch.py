@@ -4,14 +4,14 @@ Most steps of a busy engine are alike: the same running requests, in the same or
 computing the token sampled one step before and sampling the next. While that holds, a step
 is worked out from the batch instead of request by request: the rows that reach the end of
 their KV slots (only they go through the KV cache manager, whose O(1) path the others would
-take; each is filed under the step that needs it), whether a row reaches its length limit
-(then the step is scheduled the general way), and the positions. The model runner keeps the
-rest of the rows' inputs from the step that formed the batch (`DecodeStep`).
+take; each is filed under the step that needs it), the rows that reach their length limit
+(they leave the batch, as the general way leaves them out), and the positions. The model
+runner keeps the rest of the rows' inputs from the step that formed the batch (`DecodeStep`).
 
 The requests stay the truth: each step still advances their computed tokens and appends
-their placeholders, so any step may be scheduled the general way. The batch lasts until the
-running requests change (an admission, a finish, a preemption, a fork): the scheduler drops
-it then, and a later general step forms a new one.
+their placeholders, so any step may be scheduled the general way. A request that finishes
+leaves its row; the batch lasts until the running requests change otherwise (an admission,
+a preemption, a fork): the scheduler drops it then, and a later general step forms a new one.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class SteadyBatch:
     requests: list[EngineRequest]
     base: list[int]  # [n] each request's computed tokens when the batch formed
     # [n] the step from which a row is at its length limit (its last sample unknown, it is
-    # not scheduled: `Scheduler._must_wait`): the batch's steps end at the first.
+    # not scheduled: `Scheduler._must_wait`): it leaves the batch then (`_retire`).
     limits: list[int]
     # Step -> the requests whose token that step leaves the KV cache manager's O(1) path
     # (`fast_path_ends`): they alone go through `allocate_slots`.
@@ -119,10 +119,11 @@ class SteadyBatch:
             self._remove_row(row)
 
     def schedule(self, kv: KVCacheManager, budget: int) -> DecodeStep | None:
-        """The next step of every row: slots for the rows that need them, then each request
-        advanced by one computed token and one placeholder. None (nothing advanced; slots
-        taken stay, as the general way would take them) when the step is not steady: the
-        budget is short, a row is at its length limit, or the pool is out of blocks."""
+        """The next step of every row (those at their length limit leave first): slots for
+        the rows that need them, then each request advanced by one computed token and one
+        placeholder. None (nothing advanced; slots taken stay, as the general way would take
+        them) when the step is not steady: no row is left, the budget is short, or the pool
+        is out of blocks."""
         step = self.num_steps
         if self.limits and min(self.limits) <= step:
             self._retire(step)

@@ -245,3 +245,28 @@ def test_a_row_leaving_at_a_block_boundary_takes_no_block(async_scheduling):
     general = drive(False, async_scheduling, 64, events())
     steady = drive(True, async_scheduling, 64, events())
     assert steady[0] == general[0] and steady[1] > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steady_steps_match_over_random_workloads(seed):
+    """Random prompts, lengths, arrivals and pool sizes (some preempt, some queue): the
+    same steps as the general way, async scheduling on and off."""
+    import random
+
+    rnd = random.Random(seed)
+    num_blocks, max_seqs = rnd.choice([(200, 8), (24, 8), (200, 4)])
+    arrivals = {}  # step -> (index, prompt length, max_tokens) of the requests then
+    for i in range(10):
+        step = rnd.choice([0, 0, 0, 3, 8, 15])
+        arrivals.setdefault(step, []).append((i, rnd.randint(4, 14), rnd.randint(3, 30)))
+
+    def events():  # new requests for each run
+        return {
+            step: requests_arrive(*(request(*spec) for spec in specs))
+            for step, specs in arrivals.items()
+        }
+
+    for async_scheduling in (True, False):
+        general = drive(False, async_scheduling, num_blocks, events(), max_seqs)
+        steady = drive(True, async_scheduling, num_blocks, events(), max_seqs)
+        assert steady[0] == general[0] and steady[2] == general[2]

@@ -66,6 +66,8 @@ class SteadyBatch:
     removed: list[int] = field(default_factory=list)
     # Running requests out of the batch at their length limit: they finish next.
     retired: set[EngineRequest] = field(default_factory=set)
+    # Each request's row at formation: the order the general way allocates their blocks in.
+    rank: dict[EngineRequest, int] = field(default_factory=dict)
 
     @staticmethod
     def form(
@@ -82,6 +84,7 @@ class SteadyBatch:
             [limit - 1 - b for limit, b in zip(limits, base, strict=True)],
             {},
             [placeholder_token(row) for row in range(len(requests))],
+            rank={request: row for row, request in enumerate(requests)},
         )
         batch._schedule_slots(requests, kv)
         return batch
@@ -131,6 +134,7 @@ class SteadyBatch:
         if not requests or len(requests) > budget:
             return None
         grown = [r for r in self.due.pop(step, ()) if not r.status.finished and r not in retired]
+        grown.sort(key=self.rank.__getitem__)  # rows filed at different steps: row order
         for request in grown:
             if kv.allocate_slots(request, 1) is None:
                 return None  # the general way preempts (and sees these tables' changes)

@@ -191,16 +191,17 @@ class NoForward:
         return 0
 
 
-def host_only_runs(multi_step: int) -> list[tuple]:
+def host_only_runs(multi_step: int, smoke: bool = False) -> list[tuple]:
     """(decode steps per dispatch, output kind, greedy, steady decode steps) of each
-    --host-only run."""
+    --host-only run (`smoke`: one peer, to keep its path working)."""
     from pagedjax.sampling_params import RequestOutputKind
 
     kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
     runs = [(k, kind, False, True) for k in sorted({1, multi_step}) for kind in kinds]
     runs.append((1, RequestOutputKind.FINAL_ONLY, True, True))  # greedy, no stop string
     # The peers: the same K = 1 steps scheduled the general way, request by request.
-    return runs + [(1, kind, greedy, False) for k, kind, greedy, _ in runs if k == 1]
+    peers = [(1, kind, greedy, False) for k, kind, greedy, _ in runs if k == 1]
+    return runs + (peers[-1:] if smoke else peers)
 
 
 def host_only(args) -> None:
@@ -237,7 +238,7 @@ def host_only(args) -> None:
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
-    for num_steps, kind, greedy, steady in host_only_runs(args.multi_step):
+    for num_steps, kind, greedy, steady in host_only_runs(args.multi_step, args.smoke):
         # A large budget prefills everyone in a few steps, so all requests start level and
         # run to the end of the measured steps within 384 tokens.
         llm = make_llm(
@@ -342,7 +343,7 @@ def generate_steps(args) -> None:
     modes = [(k, a, False, True) for k in sorted({1, args.multi_step}) for a in asyncs]
     if args.core_process:  # the core in a process of its own, async scheduling on
         modes += [(k, "on", True, True) for k in sorted({1, args.multi_step})]
-    if not args.no_peer:  # K = 1 steps scheduled the general way
+    if not (args.no_peer or args.smoke):  # K = 1 steps scheduled the general way
         modes.append((1, "on", False, False))
     for num_steps, mode, core_process, steady in modes:
         llm = make_llm(
@@ -492,7 +493,7 @@ def main() -> None:
     parser.add_argument(
         "--no-peer",
         action="store_true",
-        help="--generate: without the peer (K = 1 with steady decode steps off)",
+        help="--generate: without the peer (K = 1 with steady decode steps off; --smoke: never)",
     )
     parser.add_argument(
         "--trace",

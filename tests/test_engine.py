@@ -641,9 +641,12 @@ def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
     runner = engine.engine_core.worker.runner
     built, reused = runner._sampling_metadata, []
 
-    def checked(rows, batch, steps, token_mask=None, draft_ids=None):
+    def checked(rows, batch, steps, token_mask=None, draft_ids=None, plain=None):
         before = runner._last_sampling
-        meta = built(rows, batch, steps, token_mask, draft_ids)
+        if plain:  # a steady step's rows: as the scheduler found them
+            assert token_mask is None and draft_ids is None
+            assert not any(r.extra_bias for r in rows)
+        meta = built(rows, batch, steps, token_mask, draft_ids, plain)
         reused.append(before is not None and runner._last_sampling is before)
         full = runner.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
         assert batch == BatchSampling.of(batch.key, [r.params for r in rows])  # flags too

@@ -249,8 +249,10 @@ def test_a_row_leaving_at_a_block_boundary_takes_no_block(async_scheduling):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_steady_steps_match_over_random_workloads(seed):
-    """Random prompts, lengths, arrivals and pool sizes (some preempt, some queue): the
-    same steps as the general way, async scheduling on and off."""
+    """Random prompts, lengths, n, arrivals and pool sizes (some preempt, some queue): the
+    same steps as the general way, async scheduling on and off. A fork leaves its parent's
+    partial block shared, so rows are filed for slots out of row order: they still take
+    their blocks in row order."""
     import random
 
     rnd = random.Random(seed)
@@ -258,11 +260,12 @@ def test_steady_steps_match_over_random_workloads(seed):
     arrivals = {}  # step -> (index, prompt length, max_tokens) of the requests then
     for i in range(10):
         step = rnd.choice([0, 0, 0, 3, 8, 15])
-        arrivals.setdefault(step, []).append((i, rnd.randint(4, 14), rnd.randint(3, 30)))
+        spec = (i, rnd.randint(4, 14), rnd.randint(3, 30), rnd.choice([1, 1, 2]))
+        arrivals.setdefault(step, []).append(spec)
 
     def events():  # new requests for each run
         return {
-            step: requests_arrive(*(request(*spec) for spec in specs))
+            step: requests_arrive(*(request(i, p, m, n=n) for i, p, m, n in specs))
             for step, specs in arrivals.items()
         }
 
@@ -270,3 +273,26 @@ def test_steady_steps_match_over_random_workloads(seed):
         general = drive(False, async_scheduling, num_blocks, events(), max_seqs)
         steady = drive(True, async_scheduling, num_blocks, events(), max_seqs)
         assert steady[0] == general[0] and steady[2] == general[2]
+
+
+def test_rows_filed_out_of_order_take_their_blocks_in_row_order():
+    """Rows due at the same step take their blocks in row order, as the general way
+    allocates them, whatever order they were filed in."""
+    scheduler = make(True, 64)
+    for i in range(4):
+        scheduler.add_request(request(i, 4, 20))
+    for _ in range(2):  # the prefill, then the step that forms the batch
+        scheduler.update_from_output((out := scheduler.schedule()), sample(out))
+    batch, grown = scheduler._steady, []
+    for due in batch.due.values():
+        due.reverse()  # as if filed at different steps
+    for _ in range(10):
+        scheduler.update_from_output((out := scheduler.schedule()), sample(out))
+        assert out.decode is not None
+        if out.decode.table_updates:
+            grown.append(out.decode.table_updates)
+    assert len(grown) == 2
+    for updates in grown:
+        assert [u[0] for u in updates] == [r.request_id for r in batch.requests]
+        firsts = [u[2][0] for u in updates]
+        assert firsts == sorted(firsts)

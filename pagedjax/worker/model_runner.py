@@ -612,8 +612,7 @@ class ModelRunner:
         inputs = self._fill_inputs(
             group_tables, step_tokens, step_positions, owner, ends, lens, block_copies, seqs
         )
-        s_pad = min(len(inputs[0]), self.max_seqs_bucket)
-        r_pad = max(len(inputs[0]) if rows_for_every_token else s_pad, next_power_of_2(num_rows))
+        r_pad = self._rows_bucket(num_rows, len(inputs[0]), rows_for_every_token)
         return *inputs[:3], r_pad, *inputs[3:]
 
     def _fill_inputs(
@@ -763,10 +762,14 @@ class ModelRunner:
             list(rows), self._decode_only(seqs),
         )  # fmt: skip
 
-    def _rows_bucket(self, num_rows: int) -> int:
-        """The sample rows of a step of num_rows one-token sequences, padded (`prepare`)."""
-        s_pad = min(self._bucket_tokens(num_rows), self.max_seqs_bucket)
-        return max(s_pad, next_power_of_2(num_rows))
+    def _rows_bucket(
+        self, num_rows: int, t_pad: int | None = None, rows_for_every_token: bool = False
+    ) -> int:
+        """The padded sample rows of a step of t_pad padded tokens (default: num_rows
+        one-token sequences'): the padded sequences, or tokens (`prepare`)."""
+        t_pad = self._bucket_tokens(num_rows) if t_pad is None else t_pad
+        s_pad = min(t_pad, self.max_seqs_bucket)
+        return max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
 
     def _shrink(self, batch: DecodeBatch, removed: Sequence[int]) -> DecodeBatch:
         """The kept batch without the `removed` rows (finished): its layout and sampling
@@ -828,7 +831,7 @@ class ModelRunner:
             steps=batch.counters,
         )
         sampling = batch.sampling
-        meta = self._sampling_metadata(batch.rows, sampling, steps)  # the kept arrays
+        meta = self._sampling_metadata(batch.rows, sampling, steps, plain=True)  # kept
         layout = self._placeholder_layout
         out, placeholders = sample_step(logits, meta, self.sampling, **sampling.flags(), **layout)
         logprobs = out.logprobs if sampling.num_logprobs is not None else None
@@ -1073,13 +1076,15 @@ class ModelRunner:
         steps: jax.Array | None,
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
+        plain: bool | None = None,
     ) -> SamplingMetadata:
         """The rows' sampling arrays, on the step's devices, with `steps` as their draw
         counters (they travel with the forward's inputs: None for `decode_steps`, which
         unpacks them itself). A steady decode batch (the same requests in the same order,
-        with neither per-step biases, penalties, masks nor drafts) keeps the last step's
-        arrays there and sends nothing more."""
-        plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
+        with neither per-step biases, penalties, masks nor drafts: `plain`, worked out when
+        None) keeps the last step's arrays there and sends nothing more."""
+        if plain is None:
+            plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
         last = self._last_sampling
         if plain and last is not None and last[0] is batch:
             return replace(last[1], steps=steps)

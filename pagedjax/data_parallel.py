@@ -20,7 +20,7 @@ import jax
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.hashing import BlockHash, hash_request_tokens, request_extra_keys
-from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput
 from pagedjax.core.scheduler import RequestLimits
 from pagedjax.core.spec_decode import SpecDecodeStats
 from pagedjax.engine_core import EngineCore
@@ -161,7 +161,7 @@ class DataParallelCore:
     def num_waiting(self) -> int:
         return sum(core.num_waiting for core in self.cores)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> list[CoreOutput]:
         outputs = []
         for core in self.cores:
             if core.has_unfinished_requests() or core.has_step_in_flight():

@@ -119,6 +119,12 @@ class IncrementalDetokenizer:
         return self._ids[self._num_context :]
 
     @property
+    def token_sink(self) -> list[int] | None:
+        """The list a deferred detokenizer's new tokens may be appended to directly, as
+        `update` would (None when each update is decoded)."""
+        return self._ids if self.deferred and not self.finished else None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self._ids) - self._num_context
 

@@ -25,7 +25,7 @@ from pagedjax import distributed
 from pagedjax.config import EngineConfig
 from pagedjax.constraints import ConstraintBuilder
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
-from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput
 from pagedjax.data_parallel import DataParallelCore, replica_devices
 from pagedjax.distributed import StepChannel
 from pagedjax.engine_core import EngineCore
@@ -339,7 +339,7 @@ class LLMEngine:
             self.engine_core.finish_sequences(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
-    def update_core_weights(self, params: Params | Mapping[str, object]) -> list[EngineCoreOutput]:
+    def update_core_weights(self, params: Params | Mapping[str, object]) -> list[CoreOutput]:
         """`update_weights` for this process's cores; returns what their steps in flight
         produced."""
         params = as_params(self.model_config, params)  # ModelLoadError, nothing changed

@@ -17,7 +17,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.sched_output import EngineCoreOutput, SchedulerOutput
+from pagedjax.core.sched_output import CoreOutput, EngineCoreOutput, SchedulerOutput
 from pagedjax.core.sched_policy import POLICIES
 from pagedjax.core.scheduler import RequestLimits, Scheduler
 from pagedjax.core.swap_policy import SwapCostModel, preemption_policy
@@ -149,7 +149,7 @@ class EngineCore:
 
     # ------------------------------------------------------------ weights in and out
 
-    def settle(self) -> list[EngineCoreOutput]:
+    def settle(self) -> list[CoreOutput]:
         """Completes the step in flight, if any, and preempts every running request: their
         KV is recomputed when they run again (after new weights, or a pool given back)."""
         outputs = self._complete(*self._in_flight) if self._in_flight is not None else []
@@ -157,7 +157,7 @@ class EngineCore:
         self.scheduler.preempt_all()
         return outputs
 
-    def update_weights(self, params: Params) -> list[EngineCoreOutput]:
+    def update_weights(self, params: Params) -> list[CoreOutput]:
         """New weights (pagedjax layout) between steps; returns the outputs of the step that
         was in flight. Unfinished requests keep their tokens and recompute their KV on the
         new weights; the prefix cache, computed with the old ones, is forgotten."""
@@ -183,7 +183,7 @@ class EngineCore:
         """Compiles every step shape now; returns the seconds spent."""
         return self.worker.warmup()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> list[CoreOutput]:
         """Schedules and dispatches a step; returns what each sequence that progressed got.
 
         With async scheduling the step's results are those of the step dispatched by the
@@ -212,7 +212,7 @@ class EngineCore:
                 outputs += self._complete(out, handle)
         return outputs
 
-    def _complete(self, out: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
+    def _complete(self, out: SchedulerOutput, handle: StepHandle) -> list[CoreOutput]:
         """Waits for a dispatched step and updates its requests from what it produced."""
         start = time.perf_counter()
         try:

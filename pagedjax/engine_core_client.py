@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
-from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput
 from pagedjax.engine_core_proc import CoreState, run_engine_core, unpack_outputs
 from pagedjax.errors import EngineDeadError
 
@@ -45,7 +45,7 @@ class CoreProcessClient:
         core_commands.close()  # the process holds its ends: they read EOF once it is gone
         core_results.close()
         self._live: set[str] = set()  # user requests sent and not yet reported finished
-        self._pending: list[EngineCoreOutput] = []  # received during a call
+        self._pending: list[CoreOutput] = []  # received during a call
         self._stats: dict = {}
         self._started = False
         # Whether the core reported itself idle since the last command: until then the
@@ -98,7 +98,7 @@ class CoreProcessClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> list[CoreOutput]:
         """The outputs the core sent since the last call."""
         outputs, self._pending = self._pending, []
         if not outputs and not self._results.poll(POLL_S):

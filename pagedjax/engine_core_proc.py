@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from models.config import ModelConfig
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
-from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput, DecodeOutputs, EngineCoreOutput
 from pagedjax.core.scheduler import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -51,11 +51,13 @@ class CoreState:
     idle: bool  # nothing unfinished
 
 
-def pack_outputs(outputs: list[EngineCoreOutput]) -> list[tuple]:
+def pack_outputs(outputs: list[CoreOutput]) -> list:
     """The outputs as tuples, which pickle ten times faster than slotted dataclasses; a
-    decode step's plain new token as three fields."""
+    decode step's plain new token as three fields (a steady step's rows: one object)."""
     return [
-        (o.request_id, o.index, o.new_token_ids)
+        o
+        if isinstance(o, DecodeOutputs)
+        else (o.request_id, o.index, o.new_token_ids)
         if o.status is None
         and o.logprobs is None
         and o.prompt_logprobs is None
@@ -76,8 +78,8 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> list[tuple]:
     ]
 
 
-def unpack_outputs(packed: list[tuple]) -> list[EngineCoreOutput]:
-    return [EngineCoreOutput(*fields) for fields in packed]
+def unpack_outputs(packed: list) -> list[CoreOutput]:
+    return [o if isinstance(o, DecodeOutputs) else EngineCoreOutput(*o) for o in packed]
 
 
 def portable_error(error: BaseException) -> BaseException:
@@ -185,7 +187,7 @@ class _CoreLoop:
         state = CoreState(engine.is_sleeping(), engine.has_weights(), idle)
         self._outbox.put(("result", value, error, state))
 
-    def _emit(self, outputs: list[EngineCoreOutput], touched: list[str] = ()) -> None:
+    def _emit(self, outputs: list[CoreOutput], touched: list[str] = ()) -> None:
         """Sends a step's outputs with the user requests now finished and the statistics."""
         ended = {out.request_id for out in outputs if out.status is not None}
         ended.update(touched)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedjax.core.engine_request import RequestStatus, request_finished
-from pagedjax.core.sched_output import EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput, DecodeOutputs, EngineCoreOutput
 from pagedjax.detokenizer import IncrementalDetokenizer
 from pagedjax.logprobs import Logprob
 from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -85,11 +85,24 @@ class RequestState:
         return request_finished(self.params.n, [s.status for s in self.sequences])
 
 
+@dataclass
+class _DecodeRows:
+    """A steady decode batch's rows as the processor last found them: for each, the list
+    its new token goes to (a FINAL_ONLY sequence without logprobs or stop strings, which
+    needs nothing more until it ends), or None (it goes the general way)."""
+
+    request_ids: list[str]
+    indices: list[int]
+    sinks: list[list[int] | None]
+    all_sinks: bool  # no None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_text = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
+        self._decode_rows: _DecodeRows | None = None  # forgotten when `requests` changes
 
     def add_request(
         self,
@@ -103,6 +116,7 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
+        self._decode_rows = None
 
     def _sequence(self, state: RequestState, index: int) -> _Sequence:
         """The index-th completion; the engine core forks children in index order."""
@@ -125,6 +139,7 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        self._decode_rows = None
         now = time.monotonic()
         for seq in state.sequences:
             if seq.status is None:
@@ -133,7 +148,7 @@ class OutputProcessor:
         return self._make_output(state, finished=True)
 
     def process_outputs(
-        self, core_outputs: list[EngineCoreOutput]
+        self, core_outputs: list[CoreOutput]
     ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """(the outputs to return, by each request's output_kind; the (request id, index) of
         the running sequences a stop string finished, which the core must free)."""
@@ -142,25 +157,12 @@ class OutputProcessor:
         # The requests that progressed: True for those a sequence of which ended now (only
         # those can have finished).
         touched: dict[str, bool] = {}
-        stopped = []
+        stopped: list[tuple[str, int]] = []
         for out in core_outputs:
-            state = requests.get(out.request_id)
-            if state is None:  # aborted since
-                continue
-            if out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, out)
-            if out.num_cached_tokens is not None and out.index == 0:
-                state.num_cached_tokens = out.num_cached_tokens
-            if not out.new_token_ids and out.status is None:
-                continue  # a prefill chunk's prompt logprobs: output with the first token
-            if out.index < len(state.sequences) and state.sequences[out.index].status is not None:
-                continue  # a stop string ended it: a core in another process ran on
-            if self._update_sequence(state, out, now) is None:
-                touched.setdefault(out.request_id, False)
-                continue
-            touched[out.request_id] = True
-            if out.status is None:  # a stop string ended it: the core still runs it
-                stopped.append((out.request_id, out.index))
+            if isinstance(out, DecodeOutputs):
+                self._process_decode(out, now, touched, stopped)
+            else:
+                self._process_one(out, now, touched, stopped)
         outputs = []
         for request_id, ended in touched.items():
             state = requests[request_id]
@@ -169,7 +171,80 @@ class OutputProcessor:
                 outputs.append(self._make_output(state, finished))
             if finished:
                 del requests[request_id]
+                self._decode_rows = None
         return outputs, stopped
+
+    def _process_one(
+        self,
+        out: EngineCoreOutput,
+        now: float,
+        touched: dict[str, bool],
+        stopped: list[tuple[str, int]],
+    ) -> None:
+        """One sequence's output; marks its request in `touched` (True: a sequence ended)
+        and adds it to `stopped` when a stop string ended it."""
+        state = self.requests.get(out.request_id)
+        if state is None:  # aborted since
+            return
+        if out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, out)
+        if out.num_cached_tokens is not None and out.index == 0:
+            state.num_cached_tokens = out.num_cached_tokens
+        if not out.new_token_ids and out.status is None:
+            return  # a prefill chunk's prompt logprobs: output with the first token
+        if out.index < len(state.sequences) and state.sequences[out.index].status is not None:
+            return  # a stop string ended it: a core in another process ran on
+        if self._update_sequence(state, out, now) is None:
+            touched.setdefault(out.request_id, False)
+            return
+        touched[out.request_id] = True
+        if out.status is None:  # a stop string ended it: the core still runs it
+            stopped.append((out.request_id, out.index))
+
+    def _process_decode(
+        self,
+        out: DecodeOutputs,
+        now: float,
+        touched: dict[str, bool],
+        stopped: list[tuple[str, int]],
+    ) -> None:
+        """A steady decode step's rows: the tokens of those that need nothing more go
+        straight to their detokenizers (no Python loop while no row is skipped); the rest
+        go the general way."""
+        rows = self._decode_rows
+        if rows is None or rows.request_ids != out.request_ids or rows.indices != out.indices:
+            rows = self._decode_rows = self._find_decode_rows(out.request_ids, out.indices)
+        tokens, skip = out.token_ids, out.skip
+        if rows.all_sinks and not skip:
+            any(map(list.append, rows.sinks, tokens))
+            return
+        for row, (sink, token) in enumerate(zip(rows.sinks, tokens, strict=True)):
+            if row in skip:
+                continue
+            if sink is not None:
+                sink.append(token)
+            else:
+                index = out.indices[row]
+                one = EngineCoreOutput(out.request_ids[row], index, [token], out.logprobs, row)
+                self._process_one(one, now, touched, stopped)
+
+    def _find_decode_rows(self, request_ids: list[str], indices: list[int]) -> _DecodeRows:
+        """Each row's token list, where its sequence needs nothing but its tokens until it
+        ends: FINAL_ONLY, no logprobs, no stop strings, its first token out."""
+        sinks: list[list[int] | None] = []
+        for request_id, index in zip(request_ids, indices, strict=True):
+            state, sink = self.requests.get(request_id), None
+            if (
+                state is not None
+                and state.first_token_time is not None
+                and index < len(state.sequences)
+                and state.params.output_kind is RequestOutputKind.FINAL_ONLY
+                and state.params.logprobs is None
+                and state.sequences[index].status is None
+            ):
+                sink = state.sequences[index].detokenizer.token_sink
+            sinks.append(sink)
+        return _DecodeRows(request_ids, indices, sinks, None not in sinks)
 
     def _add_prompt_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         entries, prompt = state.prompt_logprobs, state.prompt_token_ids

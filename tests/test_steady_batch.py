@@ -8,9 +8,9 @@ import pytest
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.sched_output import DecodeStep, ModelRunnerOutput
+from pagedjax.core.sched_output import DecodeOutputs, DecodeStep, ModelRunnerOutput
 from pagedjax.core.scheduler import Scheduler
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 from pagedjax.worker.block_table import BlockTables
 from tests.test_engine import GREEDY, make_engine, make_prompts, run
 
@@ -37,21 +37,20 @@ def request(index: int, prompt_len: int, max_tokens: int, **params) -> EngineReq
         SamplingParams(max_tokens=max_tokens, **params),
         max_tokens=max_tokens,
         seed=index,
-        stop_token_ids=frozenset({STOP}),
+        stop_token_ids=frozenset({STOP, 40 + index % 3}),  # one stop token not each row's
     )
 
 
 def sample(out) -> ModelRunnerOutput:
     """Each row's token from its request and position (the same in both schedulers): now and
-    then the stop token."""
-    tokens = [
-        STOP
-        if (sum(map(ord, r.request_id)) + p) % 23 == 0
-        else 3 + (7 * p + len(r.request_id)) % 40
+    then the stop token, and more rarely NaN logits."""
+    keys = [
+        (sum(map(ord, r.request_id)) + p, 7 * p + len(r.request_id))
         for r, p in zip(out.row_requests, out.row_positions, strict=True)
     ]
-    rows = len(tokens)
-    return ModelRunnerOutput(np.array(tokens, np.int32), np.ones(rows, bool))
+    tokens = [STOP if a % 23 == 0 else 3 + b % 40 for a, b in keys]
+    finite = [a % 59 != 30 for a, _ in keys]
+    return ModelRunnerOutput(np.array(tokens, np.int32), np.array(finite, bool))
 
 
 def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
@@ -87,6 +86,24 @@ def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
     }
 
 
+def reported(outputs: list) -> list[tuple]:
+    """What an update reports of each sequence, row by row whichever way it came."""
+    flat = []
+    for out in outputs:
+        if isinstance(out, DecodeOutputs):
+            columns = zip(out.request_ids, out.indices, out.token_ids, strict=True)
+            flat += [
+                (request_id, index, [token], None, row)
+                for row, (request_id, index, token) in enumerate(columns)
+                if row not in out.skip
+            ]
+        else:
+            flat.append(
+                (out.request_id, out.index, out.new_token_ids, out.status, out.logprobs_row)
+            )
+    return sorted(flat, key=lambda o: (o[0], o[1]))
+
+
 def drive(
     steady: bool, async_scheduling: bool, num_blocks: int, events: dict, max_seqs: int = 8
 ) -> tuple:
@@ -103,10 +120,10 @@ def drive(
         views.append(step_view(scheduler, out, tables))
         if async_scheduling:
             if in_flight is not None:
-                scheduler.update_from_output(*in_flight)
+                views[-1]["outputs"] = reported(scheduler.update_from_output(*in_flight))
             in_flight = (out, sample(out)) if out.scheduled else None
         elif out.scheduled:
-            scheduler.update_from_output(out, sample(out))
+            views[-1]["outputs"] = reported(scheduler.update_from_output(out, sample(out)))
         step += 1
     statuses = [r.status for r in scheduler.requests.values()]
     return views, num_steady, statuses, queued, removals
@@ -127,7 +144,7 @@ def abort(request_id: str):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize(
     "num_blocks,max_seqs",
-    [(64, 8), (14, 8), (64, 3)],  # 14 blocks: preemptions; 3 slots: requests wait for one
+    [(64, 8), (10, 8), (64, 3)],  # 10 blocks: preemptions; 3 slots: requests wait for one
 )
 def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_seqs):
     """The same requests, sampled tokens and events, scheduled with steady steps and
@@ -148,7 +165,7 @@ def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_se
     assert steady[0] == general[0]
     assert steady[2] == general[2]
     assert general[1] == 0 and steady[1] >= len(steady[0]) // 4  # many steps are steady
-    if num_blocks == 14:
+    if num_blocks == 10:
         assert any(view["preempted"] for view in general[0])
     if max_seqs == 3:  # steady steps with requests waiting for a slot
         assert steady[3] > 0
@@ -172,9 +189,9 @@ def test_a_row_at_its_length_limit_leaves_the_steady_batch():
     assert kinds[:5] == [(False, 2), (False, 2), (True, 2), (True, 1), (True, 1)]
 
 
-def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list, int, int]:
-    """Every request's completions (tokens, logprobs), the steady steps dispatched, and the
-    preemptions."""
+def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list, list, int]:
+    """Every request's completions (tokens, text, logprobs, finish), the steady steps
+    dispatched (1) and batches shrunk (0), and the preemptions."""
     engine = make_engine(tiny, **options)
     engine.engine_core.scheduler.steady_decode = steady
     runner = engine.engine_core.worker.runner
@@ -192,11 +209,13 @@ def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list
     outputs = run(engine, prompts, params)
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
     completions = [
-        [(list(c.token_ids), repr(c.logprobs), c.finish_reason) for c in out.outputs]
+        [
+            (list(c.token_ids), c.text, repr(c.logprobs), c.finish_reason, c.stop_reason)
+            for c in out.outputs
+        ]
         for out in outputs
     ]
-    assert not steady or 0 in steps
-    return completions, sum(steps), engine.engine_core.scheduler.num_preemptions
+    return completions, steps, engine.engine_core.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize(
@@ -209,22 +228,31 @@ def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list
     ],
 )
 def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):
-    """Greedy and seeded rows, logprobs, n = 2, stop tokens and min_tokens: the same
-    completions with steady steps as without, and most steps steady."""
-    prompts = make_prompts(6, seed=5)
+    """Greedy and seeded rows, logprobs, n = 2, stop tokens, a stop string and
+    min_tokens: the same completions with steady steps as without, and most steps steady."""
+    prompts = make_prompts(7, seed=5)
+    final = RequestOutputKind.FINAL_ONLY  # the rows the output processor takes in columns
     params = [
-        SamplingParams(max_tokens=24, **GREEDY),
-        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=3, logprobs=2),
-        SamplingParams(max_tokens=16, temperature=0.7, seed=4, n=2),
-        SamplingParams(max_tokens=24, min_tokens=6, temperature=1.0, seed=5),
+        SamplingParams(max_tokens=24, output_kind=final, **GREEDY),
+        SamplingParams(
+            max_tokens=24, top_p=0.8, seed=3, logprobs=2, output_kind=final, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=16, temperature=0.7, seed=4, n=2, output_kind=final),
+        SamplingParams(max_tokens=24, min_tokens=3, temperature=1.0, seed=5),
         SamplingParams(max_tokens=12, top_k=5, temperature=1.0, seed=6, stop_token_ids=[9]),
         SamplingParams(max_tokens=22, **GREEDY),
+        SamplingParams(max_tokens=24, seed=8, stop=["w23 w42"], output_kind=final, ignore_eos=True),
     ]
     general, none, preemptions = engine_outputs(tiny, False, prompts, params, **options)
-    steady, num_steady, _ = engine_outputs(tiny, True, prompts, params, **options)
+    steady, steps, _ = engine_outputs(tiny, True, prompts, params, **options)
+    num_steady = sum(steps)
     assert steady == general
-    assert none == 0 and num_steady >= 6
-    assert preemptions > 0 or "num_kv_blocks" not in options
+    assert general[6][0][4] == "w23 w42"  # the stop string ended it
+    assert not none and num_steady >= 6
+    if "num_kv_blocks" in options:
+        assert preemptions > 0
+    else:
+        assert 0 in steps  # a batch that finished requests left
 
 
 def test_the_runner_refuses_a_steady_step_of_a_batch_it_does_not_keep(tiny):
@@ -281,13 +309,17 @@ def test_rows_filed_out_of_order_take_their_blocks_in_row_order():
     scheduler = make(True, 64)
     for i in range(4):
         scheduler.add_request(request(i, 4, 20))
+
+    def token_7(out) -> ModelRunnerOutput:  # no row stops
+        return ModelRunnerOutput(np.full(len(out.row_requests), 7), np.ones(len(out.row_requests)))
+
     for _ in range(2):  # the prefill, then the step that forms the batch
-        scheduler.update_from_output((out := scheduler.schedule()), sample(out))
+        scheduler.update_from_output((out := scheduler.schedule()), token_7(out))
     batch, grown = scheduler._steady, []
     for due in batch.due.values():
         due.reverse()  # as if filed at different steps
     for _ in range(10):
-        scheduler.update_from_output((out := scheduler.schedule()), sample(out))
+        scheduler.update_from_output((out := scheduler.schedule()), token_7(out))
         assert out.decode is not None
         if out.decode.table_updates:
             grown.append(out.decode.table_updates)
@@ -296,3 +328,35 @@ def test_rows_filed_out_of_order_take_their_blocks_in_row_order():
         assert [u[0] for u in updates] == [r.request_id for r in batch.requests]
         firsts = [u[2][0] for u in updates]
         assert firsts == sorted(firsts)
+
+
+def test_the_output_processor_forgets_its_rows_when_its_requests_change():
+    """A steady step's rows are found once and reused while the requests stay the same; a
+    request aborted and added again under its id gets only its own tokens."""
+    from pagedjax.core.sched_output import EngineCoreOutput
+    from pagedjax.output_processor import OutputProcessor
+    from tests.conftest import build_tiny_tokenizer
+
+    processor = OutputProcessor(build_tiny_tokenizer())
+    final = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = ["a", "b"]
+
+    def start(request_id: str, first: int) -> None:
+        processor.add_request(request_id, None, [5, 6], final, 0.0)
+        processor.process_outputs([EngineCoreOutput(request_id, 0, [first])])
+
+    def steady_step(tokens: list[int], skip=frozenset()) -> None:
+        processor.process_outputs([DecodeOutputs(ids, [0, 0], tokens, None, skip)])
+
+    start("a", 10), start("b", 20)
+    steady_step([11, 21])
+    rows = processor._decode_rows
+    steady_step([12, 22], skip={1})
+    assert processor._decode_rows is rows and rows.all_sinks  # found once
+    processor.abort_request("b")
+    start("b", 30)  # the same id, a new request
+    steady_step([13, 31])
+    out, _ = processor.process_outputs(
+        [EngineCoreOutput(i, 0, [99], status=RequestStatus.FINISHED_LENGTH) for i in ids]
+    )
+    assert [o.outputs[0].token_ids for o in out] == [[10, 11, 12, 13, 99], [30, 31, 99]]

@@ -3,15 +3,16 @@
 `Scheduler.schedule()` returns a `SchedulerOutput`: the requests it scheduled and, for the model
 runner, each one's share of the step (`ScheduledSequence`) and the tokens to sample
 (`SampleRow`). The runner returns a `ModelRunnerOutput`; `Scheduler.update_from_output` turns
-it into one `EngineCoreOutput` per sequence that progressed or finished, which the output
-processor detokenizes into `RequestOutput`s. Plain data: no JAX on this side.
+it into one `EngineCoreOutput` per sequence that progressed or finished (a steady decode
+step's rows that run on: one `DecodeOutputs`), which the output processor detokenizes into
+`RequestOutput`s. Plain data: no JAX on this side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from pagedjax.core.engine_request import EngineRequest, RequestStatus
@@ -93,6 +94,20 @@ class DecodeStep:
 
 
 @dataclass
+class SteadyRows:
+    """What the update of a steady decode step needs beyond its rows: each row's sequence
+    as the outputs name it, a superset of the stop tokens that may end a row, the rows whose
+    sample is their last (their length limit), and how many sequences had finished when the
+    step was scheduled (the same number at its update: none of its rows finished since)."""
+
+    group_ids: list[str]
+    indices: list[int]
+    stop_token_ids: frozenset[int]
+    ending: list[int]
+    num_finished: int
+
+
+@dataclass
 class SchedulerOutput:
     """One step: what runs, in batch order, and what the runner needs to run it."""
 
@@ -125,6 +140,7 @@ class SchedulerOutput:
     # A steady decode step (then `seqs` and `rows` are empty: the runner has them), or the
     # id of the steady batch this step forms (the runner keeps its inputs; 0: none).
     decode: DecodeStep | None = None
+    steady: SteadyRows | None = None  # with `decode`
     batch_id: int = 0
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -168,3 +184,22 @@ class EngineCoreOutput:
     prompt_logprobs: Any = None
     prompt_logprobs_rows: tuple[int, int] = (0, 0)
     num_cached_tokens: int | None = None  # the user request's prompt tokens the cache served
+
+
+@dataclass(slots=True)
+class DecodeOutputs:
+    """A steady decode step's rows that run on, column by column (one object, not an
+    `EngineCoreOutput` a row): row i's sequence (request_ids[i], indices[i]) got
+    token_ids[i], its logprobs at row i. The rows in `skip` are not reported here: they
+    finished before the step's result came back, or ended with it (each in an
+    `EngineCoreOutput` of its own)."""
+
+    request_ids: list[str]
+    indices: list[int]
+    token_ids: list[int]
+    logprobs: Any = None  # TokenLogprobs
+    skip: frozenset[int] | set[int] = frozenset()
+    status: ClassVar[None] = None  # never ends a sequence: the rows that end come one by one
+
+
+CoreOutput = EngineCoreOutput | DecodeOutputs  # what a step reports

@@ -41,6 +41,8 @@ from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.memory import blocks_held
 from pagedjax.core.ngram_proposer import NgramProposer
 from pagedjax.core.sched_output import (
+    CoreOutput,
+    DecodeOutputs,
     EngineCoreOutput,
     ModelRunnerOutput,
     SampleRow,
@@ -175,6 +177,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.placeholder_stride = placeholder_stride
         self._steady: SteadyBatch | None = None  # dropped whenever `running` changes
+        self.num_finished = 0  # sequences finished (a steady step's update checks it)
         self._num_batches = 0  # steady batches formed (their ids)
         self.steady_decode = steady_decode
 
@@ -359,7 +362,8 @@ class Scheduler:
         step = batch.schedule(self.kv, self.max_num_batched_tokens)
         if step is None:
             return None
-        out = SchedulerOutput(decode=step, row_requests=list(batch.requests))
+        steady = batch.steady_rows(self.num_finished)
+        out = SchedulerOutput(decode=step, steady=steady, row_requests=list(batch.requests))
         out.scheduled = list(zip(batch.requests, repeat(1)))
         out.block_copies = self.kv.pop_block_copies()
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
@@ -661,7 +665,7 @@ class Scheduler:
 
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+    ) -> list[CoreOutput]:
         """Puts each sampled token in place of its placeholder and finishes the sequences a
         stop token, max_tokens or max_model_len ends (stop strings are the output
         processor's); reports prompt logprobs. Rows of sequences that finished since the step
@@ -679,6 +683,8 @@ class Scheduler:
                 )
             )
             first += count
+        if out.steady is not None:
+            return outputs + self._update_steady(out, result)
         positions, spec_rows = out.row_positions, out.spec_rows
         row, rows = 0, out.row_requests
         if out.row_steps:
@@ -727,6 +733,42 @@ class Scheduler:
                     outputs.append(self._append_token(request, *at, result))
             row += 1
         self.num_generated_tokens += num_plain
+        return outputs
+
+    def _update_steady(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[CoreOutput]:
+        """`update_from_output` for a steady decode step: the rows that run on (most, and
+        only they when nothing ended) in one `DecodeOutputs`, each token put in place with
+        no Python loop; the rows a stop token, the length limit or NaN logits end, one by
+        one. Rows finished since the step was scheduled are dropped."""
+        rows, positions, steady = out.row_requests, out.row_positions, out.steady
+        num_rows = len(rows)
+        tokens = result.token_ids.tolist()[:num_rows]
+        ended = set(steady.ending)
+        hits = steady.stop_token_ids.intersection(tokens)
+        if hits:  # a row's token is some row's stop token: `_check_stop` decides
+            ended.update(row for row, token in enumerate(tokens) if token in hits)
+        finite = result.finite[:num_rows]
+        all_finite = bool(finite.all())
+        if not all_finite:
+            ended.update(row for row, ok in enumerate(finite.tolist()) if not ok)
+        gone = set()
+        if self.num_finished != steady.num_finished:  # some finished since: which
+            gone = {row for row, request in enumerate(rows) if request.status.finished}
+            ended -= gone
+        if gone or not all_finite:
+            for row, (request, ok) in enumerate(zip(rows, finite.tolist(), strict=True)):
+                if ok and row not in gone:
+                    request.all_token_ids[positions[row]] = tokens[row]
+        else:  # each token in place of its placeholder
+            all_tokens = map(operator.attrgetter("all_token_ids"), rows)
+            any(map(list.__setitem__, all_tokens, positions, tokens))
+        self.num_generated_tokens += num_rows - len(ended) - len(gone)
+        outputs: list[CoreOutput] = [
+            DecodeOutputs(steady.group_ids, steady.indices, tokens, result.logprobs, ended | gone)
+        ]
+        for row in sorted(ended):
+            at = (row, positions[row], tokens[row], bool(finite[row]))
+            outputs.append(self._append_token(rows[row], *at, result))
         return outputs
 
     def _append_verified(
@@ -913,6 +955,7 @@ class Scheduler:
         if self.kv.has_request(request.request_id) or self.kv.is_swapped(request.request_id):
             self.kv.free(request)
         request.status = status
+        self.num_finished += 1
         group = request.group
         if request_finished(group[0].params.n, [s.status for s in group]):
             self.requests.pop(group[0].group_id, None)

@@ -23,7 +23,7 @@ from itertools import repeat
 
 from pagedjax.core.engine_request import EngineRequest
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.sched_output import DecodeStep, SampleRow, placeholder_token
+from pagedjax.core.sched_output import DecodeStep, SampleRow, SteadyRows, placeholder_token
 
 
 def plain_rows(requests: Sequence[EngineRequest], rows: Sequence[SampleRow], bias: dict) -> bool:
@@ -61,6 +61,11 @@ class SteadyBatch:
     # (`fast_path_ends`): they alone go through `allocate_slots`.
     due: dict[int, list[EngineRequest]]
     placeholders: list[int]  # row i's placeholder token
+    # Row i's sequence as the outputs name it; replaced, never changed, when a row leaves
+    # (a step's `SteadyRows` holds them).
+    group_ids: list[str]
+    indices: list[int]
+    stop_token_ids: frozenset[int]  # those of every row formed (a superset of the rows')
     num_steps: int = 0  # steps taken
     # Rows removed since the last step, each numbered after the removals before it.
     removed: list[int] = field(default_factory=list)
@@ -84,6 +89,9 @@ class SteadyBatch:
             [limit - 1 - b for limit, b in zip(limits, base, strict=True)],
             {},
             [placeholder_token(row) for row in range(len(requests))],
+            [r.group_id for r in requests],
+            [r.sample_index for r in requests],
+            frozenset().union(*(r.stop_token_ids for r in requests)),
             rank={request: row for row, request in enumerate(requests)},
         )
         batch._schedule_slots(requests, kv)
@@ -111,6 +119,8 @@ class SteadyBatch:
 
     def _remove_row(self, row: int) -> None:
         del self.requests[row], self.base[row], self.limits[row], self.placeholders[-1]
+        self.group_ids = self.group_ids[:row] + self.group_ids[row + 1 :]
+        self.indices = self.indices[:row] + self.indices[row + 1 :]
         self.removed.append(row)
 
     def _retire(self, step: int) -> None:
@@ -154,6 +164,16 @@ class SteadyBatch:
         self._schedule_slots(grown, kv)
         removed, self.removed = self.removed, []
         return DecodeStep(self.batch_id, token_ids, positions, updates, removed)
+
+    def steady_rows(self, num_finished: int) -> SteadyRows:
+        """The last step's rows as its update reads them; `num_finished`: the sequences
+        finished so far."""
+        limits, step = self.limits, self.num_steps  # rows at their limit from step on
+        if limits and min(limits) == step:
+            ending = [row for row, limit in enumerate(limits) if limit == step]
+        else:
+            ending = []
+        return SteadyRows(self.group_ids, self.indices, self.stop_token_ids, ending, num_finished)
 
     def sample_positions(self) -> list[int]:
         """Where each row's sample of the last step goes (its computed tokens now)."""

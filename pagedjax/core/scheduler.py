@@ -688,9 +688,12 @@ class Scheduler:
         positions, spec_rows = out.row_positions, out.spec_rows
         row, rows = 0, out.row_requests
         if out.row_steps:
+            # Python lists: a row's tokens and flags sliced from them cost a fraction of
+            # numpy's per-row slicing and reductions.
+            tokens, finite = result.token_ids.tolist(), result.finite.tolist()
             for row, (request, steps) in enumerate(zip(rows, out.row_steps, strict=True)):
                 if not request.status.finished:
-                    at = (row, positions[row], steps, out.num_steps)
+                    at = (row, positions[row], steps, out.num_steps, tokens[row], finite[row])
                     outputs.append(self._append_tokens(request, *at, result))
             return outputs
         # Python lists: a row's token and flag read from them cost a fraction of numpy's
@@ -858,14 +861,17 @@ class Scheduler:
         position: int,
         steps: int,
         num_steps: int,
+        row_tokens: list[int],
+        row_finite: list[bool],
         result: ModelRunnerOutput,
     ) -> EngineCoreOutput:
         """A row's tokens from a step of several decode steps (`steps` of the step's
-        `num_steps`), in place of its placeholders, up to the first that ends the request (the
-        loop ran on past it: those are dropped); their logprobs from row * num_steps on."""
-        row_finite = result.finite[row, :steps]
-        count = steps if row_finite.all() else int(row_finite.argmin())  # up to a NaN row
-        tokens = result.token_ids[row, :count].tolist()
+        `num_steps`; `row_tokens`, `row_finite`: the row's tokens and flags), in place of its
+        placeholders, up to the first that ends the request (the loop ran on past it: those
+        are dropped); their logprobs from row * num_steps on."""
+        row_finite = row_finite[:steps]
+        count = steps if all(row_finite) else row_finite.index(False)  # up to a NaN row
+        tokens = row_tokens[:count]
         status = None
         stop_ids = request.stop_token_ids
         for i, token in enumerate(tokens):

@@ -227,8 +227,8 @@ def test_the_loop_lowers_for_cuda_with_the_pallas_decode_kernel_inside(tiny, mon
 
 
 def test_a_loops_tokens_stop_at_nan_logits_or_a_stop_token():
-    """A row's tokens up to its first NaN row (it finishes with an error) or stop token (the
-    tokens the loop ran on past it are dropped)."""
+    """A row's tokens up to its first NaN row (it finishes with an error), its stop token
+    (the tokens the loop ran on past it are dropped) or its length limit."""
     import numpy as np
 
     from pagedjax.core.engine_request import EngineRequest, RequestStatus
@@ -237,27 +237,32 @@ def test_a_loops_tokens_stop_at_nan_logits_or_a_stop_token():
     from pagedjax.core.scheduler import Scheduler
 
     scheduler = Scheduler(
-        KVCacheManager(64, 4), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
-        num_scheduler_steps=STEPS, placeholder_stride=4,
+        KVCacheManager(64, 4), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=12,
+        num_scheduler_steps=STEPS, placeholder_stride=8,
     )  # fmt: skip
     requests = [
-        EngineRequest(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=20), max_tokens=20, seed=i,
+        EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=m), max_tokens=m, seed=i,
                       stop_token_ids=frozenset({2}))
-        for i in range(3)
+        for i, (prompt, m) in enumerate([([5, 6, 7], 8)] * 3 + [([5, 6, 7], 1 + STEPS),
+                                                                ([5, 6, 7, 8, 9, 10, 11], 5)])
     ]  # fmt: skip
     for request in requests:
         scheduler.add_request(request)
     out = scheduler.schedule()  # the prefill: one token each
-    scheduler.update_from_output(out, ModelRunnerOutput(np.full(3, 9), np.ones(3, bool)))
+    scheduler.update_from_output(out, ModelRunnerOutput(np.full(5, 9), np.ones(5, bool)))
     out = scheduler.schedule()
-    assert out.row_steps == [STEPS] * 3
-    tokens = np.array([[10, 11, 12, 13], [20, 2, 22, 23], [30, 31, 32, 33]])
-    finite = np.array([[True] * 4, [True] * 4, [True, True, False, True]])
+    assert out.row_steps == [STEPS] * 5
+    tokens = np.arange(10, 30).reshape(5, STEPS)
+    tokens[1, 1] = 2  # the stop token
+    finite = np.ones((5, STEPS), bool)
+    finite[2, 2] = False
     outputs = scheduler.update_from_output(out, ModelRunnerOutput(tokens, finite))
     assert [(o.new_token_ids, o.status) for o in outputs] == [
         ([10, 11, 12, 13], None),
-        ([20, 2], RequestStatus.FINISHED_STOPPED),
-        ([30, 31], RequestStatus.FINISHED_ERROR),
+        ([14, 2], RequestStatus.FINISHED_STOPPED),
+        ([18, 19], RequestStatus.FINISHED_ERROR),
+        ([22, 23, 24, 25], RequestStatus.FINISHED_LENGTH),
+        ([26, 27, 28, 29], RequestStatus.FINISHED_LENGTH),
     ]
     assert requests[0].all_token_ids == [5, 6, 7, 9, 10, 11, 12, 13]
-    assert requests[2].all_token_ids == [5, 6, 7, 9, 30, 31]
+    assert requests[2].all_token_ids == [5, 6, 7, 9, 18, 19]

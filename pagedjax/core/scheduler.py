@@ -691,10 +691,27 @@ class Scheduler:
             # Python lists: a row's tokens and flags sliced from them cost a fraction of
             # numpy's per-row slicing and reductions.
             tokens, finite = result.token_ids.tolist(), result.finite.tolist()
+            all_finite = result.finite.all(axis=1).tolist()  # each row's, past its steps too
+            num_steps, num_plain = out.num_steps, 0
             for row, (request, steps) in enumerate(zip(rows, out.row_steps, strict=True)):
-                if not request.status.finished:
-                    at = (row, positions[row], steps, out.num_steps, tokens[row], finite[row])
+                if request.status.finished:
+                    continue
+                position, row_tokens = positions[row], tokens[row][:steps]
+                end = position + steps
+                if (  # nothing can end it (`_check_stop`'s tests): the common row
+                    all_finite[row]
+                    and request.constraints is None
+                    and request.stop_token_ids.isdisjoint(row_tokens)
+                    and end - request.num_prompt_tokens < request.max_tokens
+                    and end < self.max_model_len
+                ):
+                    request.all_token_ids[position:end] = row_tokens
+                    num_plain += steps
+                    outputs.append(self._output(request, row_tokens, result, row * num_steps, None))
+                else:
+                    at = (row, position, steps, num_steps, tokens[row], finite[row])
                     outputs.append(self._append_tokens(request, *at, result))
+            self.num_generated_tokens += num_plain
             return outputs
         # Python lists: a row's token and flag read from them cost a fraction of numpy's
         # scalar indexing, 256 times a step.

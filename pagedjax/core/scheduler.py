@@ -688,15 +688,16 @@ class Scheduler:
         positions, spec_rows = out.row_positions, out.spec_rows
         row, rows = 0, out.row_requests
         if out.row_steps:
-            # Python lists: a row's tokens and flags sliced from them cost a fraction of
-            # numpy's per-row slicing and reductions.
-            tokens, finite = result.token_ids.tolist(), result.finite.tolist()
+            # Python lists: a row's tokens read from them cost a fraction of numpy's per-row
+            # slicing; its flags are read alone only where a row is not plainly finite.
+            tokens = result.token_ids.tolist()
             all_finite = result.finite.all(axis=1).tolist()  # each row's, past its steps too
             num_steps, num_plain = out.num_steps, 0
             for row, (request, steps) in enumerate(zip(rows, out.row_steps, strict=True)):
                 if request.status.finished:
                     continue
-                position, row_tokens = positions[row], tokens[row][:steps]
+                position, row_tokens = positions[row], tokens[row]
+                del row_tokens[steps:]  # a fresh list: the row's steps alone
                 end = position + steps
                 if (  # nothing can end it (`_check_stop`'s tests): the common row
                     all_finite[row]
@@ -709,7 +710,7 @@ class Scheduler:
                     num_plain += steps
                     outputs.append(self._output(request, row_tokens, result, row * num_steps, None))
                 else:
-                    at = (row, position, steps, num_steps, tokens[row], finite[row])
+                    at = (row, position, steps, num_steps, row_tokens, result.finite[row].tolist())
                     outputs.append(self._append_tokens(request, *at, result))
             self.num_generated_tokens += num_plain
             return outputs

@@ -5,6 +5,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
     python benchmarks/host_overhead.py --transfers [--running 256] [--steps 2000]
+    python benchmarks/host_overhead.py --arrivals [--running 64] [--steps 400] [--rates 0.1,0.5]
     python benchmarks/host_overhead.py --generate [--running 256] [--steps 128] [--multi-step 8]
     ... [--model DIR]   another model than the default one
     python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
@@ -34,6 +35,9 @@ ratio. With it on, step N+1's host work runs while step N is on the device.
 
 --transfers: a steady decode step's host arrays sent packed (as the engine does) against one
 jit argument each (as it did), in the same run: µs per call, waited on.
+
+--arrivals: steady decode steps while requests come and go (`arrivals`): the share of steps
+that were steady at each arrival rate, and the queue at the end.
 
 --generate: what a user sees, `LLM.generate` of --running prompts of 16-64 random tokens x
 --steps greedy tokens (ignore_eos, max_num_seqs = --running) on a model whose device work is
@@ -389,6 +393,56 @@ def generate_steps(args) -> None:
     report("host_overhead_generate", result, smoke=args.smoke)
 
 
+def arrivals(args) -> None:
+    """How many steps are steady while requests come and go: --running slots, as many
+    requests at the start, then each step one more with the chance each of --rates gives;
+    every request 16-64 random prompt tokens x 50-300 greedy tokens (ignore_eos) on the small
+    model. Over --steps engine steps after a warm-up: the share of those that ran that were
+    steady, and the requests waiting at the end (a queue: every slot taken, each finish
+    admits one). (No times: new prompt lengths compile new prefill shapes as they come.)"""
+    import random
+
+    from pagedjax.sampling_params import SamplingParams
+
+    result = {"running_requests": args.running, "steps": args.steps}
+    rates = args.rates.split(",")[-1:] if args.smoke else args.rates.split(",")
+    for rate in map(float, rates):
+        llm = make_llm(args.running, args.model)
+        engine = llm.llm_engine
+        scheduler, steady = engine.engine_core.scheduler, []
+        schedule = scheduler.schedule
+
+        def counted(schedule=schedule, steady=steady):
+            out = schedule()
+            if out.scheduled:  # a step that runs
+                steady.append(out.decode is not None)
+            return out
+
+        scheduler.schedule = counted
+        rng, vocab = random.Random(0), engine.model_config.vocab_size
+
+        def arrive(index: int, rng=rng, vocab=vocab, engine=engine) -> None:
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(50, 300), ignore_eos=True)
+            engine.add_request(f"a{index}", {"prompt_token_ids": prompt}, params)
+
+        for index in range(args.running):
+            arrive(index)
+        warm = 2 if args.smoke else 50
+        for step in range(warm + args.steps):
+            if rng.random() < rate:
+                arrive(args.running + step)
+            if step == warm:
+                del steady[:]
+            engine.step()
+        name = f"rate_{rate:g}"
+        result[f"{name}_steady_share"] = sum(steady) / max(len(steady), 1)
+        result[f"{name}_waiting_at_end"] = len(scheduler.waiting)
+        engine.shutdown()
+        del llm, engine
+    report("host_overhead_arrivals", result, smoke=args.smoke)
+
+
 def trace_generate(llm, prompts: list, params) -> dict:
     """`LLM.generate` once more, under a `jax.profiler` trace with each engine step marked:
     the summary of its decode steps (`trace_summary.summarise`; the per-module table dropped
@@ -482,6 +536,12 @@ def main() -> None:
         "--transfers", action="store_true", help="a step's host arrays packed vs one by one"
     )
     parser.add_argument(
+        "--arrivals", action="store_true", help="the share of steady steps under arrivals"
+    )
+    parser.add_argument(
+        "--rates", default="0.02,0.1,0.5", help="--arrivals: requests arriving per step"
+    )
+    parser.add_argument(
         "--multi-step",
         type=int,
         default=8,
@@ -520,15 +580,18 @@ def main() -> None:
         modes = {host_only: 100}
     elif args.transfers:
         modes = {transfers: 2000}
+    elif args.arrivals:
+        modes = {arrivals: 400}
     elif args.smoke:  # every mode, so that none rots
         modes = {on_device: 30, host_only: 100, overlap: 30, generate_steps: 128, transfers: 3}
+        modes[arrivals] = 3
     else:
         modes = {on_device: 30}
     args.running = args.running or (4 if args.smoke else 256)
     # A smoke run of every mode takes the core-process path too; `--generate --smoke` alone
     # (gpu_check's CPU dry run, which only checks its own plumbing) leaves it out.
     args.core_process = args.core_process or (args.smoke and not args.generate)
-    if (args.smoke or args.generate) and args.model is None:  # no time on the device
+    if (args.smoke or args.generate or args.arrivals) and args.model is None:  # small device
         args.model = str(save_random_llama())
     for mode, steps in modes.items():
         steps = args.steps or (3 if args.smoke else steps)

@@ -699,12 +699,11 @@ class Scheduler:
                 position, row_tokens = positions[row], tokens[row]
                 del row_tokens[steps:]  # a fresh list: the row's steps alone
                 end = position + steps
-                if (  # nothing can end it (`_check_stop`'s tests): the common row
+                if (  # nothing can end it: the common row
                     all_finite[row]
                     and request.constraints is None
                     and request.stop_token_ids.isdisjoint(row_tokens)
-                    and end - request.num_prompt_tokens < request.max_tokens
-                    and end < self.max_model_len
+                    and self._check_stop(request, row_tokens[-1], end) is None  # its limit
                 ):
                     request.all_token_ids[position:end] = row_tokens
                     num_plain += steps

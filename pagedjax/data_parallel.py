@@ -20,7 +20,7 @@ import jax
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
 from pagedjax.core.hashing import BlockHash, hash_request_tokens, request_extra_keys
-from pagedjax.core.sched_output import CoreOutput
+from pagedjax.core.sched_output import CoreOutput, ended_groups
 from pagedjax.core.scheduler import RequestLimits
 from pagedjax.core.spec_decode import SpecDecodeStats
 from pagedjax.engine_core import EngineCore
@@ -167,7 +167,7 @@ class DataParallelCore:
             if core.has_unfinished_requests() or core.has_step_in_flight():
                 outputs += core.step()
         # Only a request with a sequence that ended this step can have finished.
-        for group_id in {out.request_id for out in outputs if out.status is not None}:
+        for group_id in ended_groups(outputs):
             self._forget_if_finished(group_id)
         return outputs
 

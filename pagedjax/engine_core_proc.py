@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from models.config import ModelConfig
 from pagedjax.config import EngineConfig
 from pagedjax.core.engine_request import EngineRequest, RequestStatus
-from pagedjax.core.sched_output import CoreOutput, DecodeOutputs, EngineCoreOutput
+from pagedjax.core.sched_output import CoreOutput, DecodeOutputs, EngineCoreOutput, ended_groups
 from pagedjax.core.scheduler import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class _CoreLoop:
 
     def _emit(self, outputs: list[CoreOutput], touched: list[str] = ()) -> None:
         """Sends a step's outputs with the user requests now finished and the statistics."""
-        ended = {out.request_id for out in outputs if out.status is not None}
+        ended = ended_groups(outputs)
         ended.update(touched)
         finished = [g for g in ended if g in self.live and not self.core.has_request(g)]
         self.live.difference_update(finished)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedjax.core.engine_request import EngineRequest, RequestStatus
@@ -199,7 +199,16 @@ class DecodeOutputs:
     token_ids: list[int]
     logprobs: Any = None  # TokenLogprobs
     skip: frozenset[int] | set[int] = frozenset()
-    status: ClassVar[None] = None  # never ends a sequence: the rows that end come one by one
 
 
 CoreOutput = EngineCoreOutput | DecodeOutputs  # what a step reports
+
+
+def ended_groups(outputs: Sequence[CoreOutput]) -> set[str]:
+    """The user requests a sequence of which ended in `outputs` (only those can have
+    finished); a `DecodeOutputs` ends none: the rows that end come one by one."""
+    return {
+        out.request_id
+        for out in outputs
+        if isinstance(out, EngineCoreOutput) and out.status is not None
+    }

@@ -767,16 +767,16 @@ class Scheduler:
         hits = steady.stop_token_ids.intersection(tokens)
         if hits:  # a row's token is some row's stop token: `_check_stop` decides
             ended.update(row for row, token in enumerate(tokens) if token in hits)
-        finite = result.finite[:num_rows]
-        all_finite = bool(finite.all())
+        finite = result.finite[:num_rows].tolist()
+        all_finite = all(finite)
         if not all_finite:
-            ended.update(row for row, ok in enumerate(finite.tolist()) if not ok)
+            ended.update(row for row, ok in enumerate(finite) if not ok)
         gone = set()
         if self.num_finished != steady.num_finished:  # some finished since: which
             gone = {row for row, request in enumerate(rows) if request.status.finished}
             ended -= gone
         if gone or not all_finite:
-            for row, (request, ok) in enumerate(zip(rows, finite.tolist(), strict=True)):
+            for row, (request, ok) in enumerate(zip(rows, finite, strict=True)):
                 if ok and row not in gone:
                     request.all_token_ids[positions[row]] = tokens[row]
         else:  # each token in place of its placeholder
@@ -787,7 +787,7 @@ class Scheduler:
             DecodeOutputs(steady.group_ids, steady.indices, tokens, result.logprobs, ended | gone)
         ]
         for row in sorted(ended):
-            at = (row, positions[row], tokens[row], bool(finite[row]))
+            at = (row, positions[row], tokens[row], finite[row])
             outputs.append(self._append_token(rows[row], *at, result))
         return outputs
 

@@ -30,16 +30,21 @@ def make_engine(tiny, name="llama", **options) -> LLMEngine:
     )
 
 
-def run(engine: LLMEngine, prompts, params) -> list:
+def run(engine: LLMEngine, prompts, params, arrivals: list[int] | None = None) -> list:
+    """Every request's final output; `arrivals[i]`: the step before which request i is
+    added (default: all before the first)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {}
-    while engine.has_unfinished_requests():
+    arrivals = arrivals or [0] * len(prompts)
+    done, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if arrivals[i] == step:
+                engine.add_request(str(i), prompt, p)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        step += 1
     return [done[str(i)] for i in range(len(prompts))]
 
 

@@ -28,7 +28,9 @@ def make(steady: bool, num_blocks: int, max_seqs: int = 8, **options) -> Schedul
     )
 
 
-def request(index: int, prompt_len: int, max_tokens: int, **params) -> EngineRequest:
+def request(
+    index: int, prompt_len: int, max_tokens: int, priority: int = 0, **params
+) -> EngineRequest:
     # Prompts that share their first block: the prefix cache serves the later ones.
     prompt = [5, 6, 7, 8] + [10 + index + j for j in range(prompt_len - 4)]
     return EngineRequest(
@@ -38,6 +40,7 @@ def request(index: int, prompt_len: int, max_tokens: int, **params) -> EngineReq
         max_tokens=max_tokens,
         seed=index,
         stop_token_ids=frozenset({STOP, 40 + index % 3}),  # one stop token not each row's
+        priority=priority,
     )
 
 
@@ -53,22 +56,31 @@ def sample(out) -> ModelRunnerOutput:
     return ModelRunnerOutput(np.array(tokens, np.int32), np.array(finite, bool))
 
 
-def step_view(scheduler: Scheduler, out, tables: BlockTables) -> dict:
+def step_view(scheduler: Scheduler, out, tables: BlockTables, batch_rows: list) -> dict:
     """What a step hands the runner, the same way whichever way it was scheduled; `tables`
-    is the runner's persistent copy, brought up to date from the step's table changes."""
+    is the runner's persistent copy, brought up to date from the step's table changes, and
+    `batch_rows` its steady batch's rows (request ids), from the rows each step removes and
+    adds: they must be the step's first requests."""
     tables.forget(out.freed_request_ids)
-    if out.decode is not None:
+    seqs = []
+    if out.batch_id:  # a general step that forms a batch: its sequences are the rows
+        batch_rows[:] = [s.request_id for s in out.seqs]
+    if out.decode is not None:  # the batch's rows, then any sequences beside them
         for request_id, start, block_ids in out.decode.table_updates:
             tables.update(request_id, start, block_ids)
-        requests = out.row_requests
+        decode = out.decode
+        requests = [r for r, _ in out.scheduled[: len(decode.positions)]]
+        for row in decode.removed:
+            del batch_rows[row]
+        batch_rows += [request_id for request_id, _ in decode.added]
+        assert batch_rows == [r.request_id for r in requests]
         seqs = [
             (r.request_id, [int(t)], int(p))
-            for r, t, p in zip(requests, out.decode.token_ids, out.decode.positions, strict=True)
+            for r, t, p in zip(requests, decode.token_ids, decode.positions, strict=True)
         ]
-    else:
-        for seq in out.seqs:
-            tables.update(seq.request_id, seq.table_start, seq.new_block_ids)
-        seqs = [(s.request_id, list(s.token_ids), s.num_computed_tokens) for s in out.seqs]
+    for seq in out.seqs:
+        tables.update(seq.request_id, seq.table_start, seq.new_block_ids)
+    seqs += [(s.request_id, list(s.token_ids), s.num_computed_tokens) for s in out.seqs]
     kv = scheduler.kv
     for request, _ in out.scheduled:  # the runner's tables are the manager's
         rows, length = tables.rows_of([request.request_id])
@@ -107,9 +119,13 @@ def reported(outputs: list) -> list[tuple]:
 def drive(
     steady: bool, async_scheduling: bool, num_blocks: int, events: dict, max_seqs: int = 8
 ) -> tuple:
-    """Steps until every request is done; `events[step]` runs before that step's schedule."""
-    scheduler, tables = make(steady, num_blocks, max_seqs), BlockTables(4, 4)
+    """Steps until every request is done; `events[step]` runs before that step's schedule.
+    Returns each step's view, the steady steps, the requests' statuses, the steady steps
+    with requests waiting, the rows removed, the steady steps with sequences beside the
+    batch's rows, and the rows joined."""
+    scheduler, tables, batch_rows = make(steady, num_blocks, max_seqs), BlockTables(4, 4), []
     views, num_steady, queued, removals, in_flight, step = [], 0, 0, 0, None, 0
+    beside = joined = 0
     while step < 400 and (scheduler.has_unfinished_requests() or in_flight or step in events):
         if step in events:
             events[step](scheduler)
@@ -117,7 +133,9 @@ def drive(
         num_steady += out.decode is not None
         queued += out.decode is not None and bool(scheduler.waiting)
         removals += out.decode is not None and len(out.decode.removed)
-        views.append(step_view(scheduler, out, tables))
+        beside += out.decode is not None and bool(out.seqs)
+        joined += out.decode is not None and len(out.decode.added)
+        views.append(step_view(scheduler, out, tables, batch_rows))
         if async_scheduling:
             if in_flight is not None:
                 views[-1]["outputs"] = reported(scheduler.update_from_output(*in_flight))
@@ -126,7 +144,7 @@ def drive(
             views[-1]["outputs"] = reported(scheduler.update_from_output(out, sample(out)))
         step += 1
     statuses = [r.status for r in scheduler.requests.values()]
-    return views, num_steady, statuses, queued, removals
+    return views, num_steady, statuses, queued, removals, beside, joined
 
 
 def requests_arrive(*requests: EngineRequest):
@@ -157,6 +175,7 @@ def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_se
             4: requests_arrive(request(7, 7, 9)),  # into a steady batch
             9: requests_arrive(request(4, 6, 20), request(5, 9, 12, logprobs=2)),
             17: abort("r1"),
+            22: requests_arrive(request(8, 5, 6, priority=-1)),  # admitted before the rows
             30: requests_arrive(request(6, 4, 25, n=2, temperature=0.8)),
         }
 
@@ -170,6 +189,28 @@ def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_se
     if max_seqs == 3:  # steady steps with requests waiting for a slot
         assert steady[3] > 0
     assert steady[4] > 0  # rows of finished requests left steady batches
+    assert steady[5] > 0 and steady[6] > 0  # admitted beside a batch, then rows of it
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_requests_admitted_beside_a_batch_hold_their_slots_and_fork(async_scheduling):
+    """A request with n = 2 admitted beside a batch's two rows (r0 stops at once) holds
+    two of the four sequence slots while its prefill lasts (those waiting stay waiting);
+    its first sample, after a chunk that leaves one prompt token, is its own (its sibling
+    forks from it), not a row's. A request whose one sample is in flight does not join."""
+
+    def events():
+        return {
+            0: requests_arrive(*(request(i, 5, 20) for i in range(3))),
+            4: requests_arrive(request(9, 35, 10, n=2)),  # 4 cached, chunks of 30 and 1
+            5: requests_arrive(request(8, 5, 1), request(7, 6, 8)),
+            13: requests_arrive(request(6, 5, 1)),  # admitted beside, in order
+        }
+
+    general = drive(False, async_scheduling, 64, events(), 4)
+    steady = drive(True, async_scheduling, 64, events(), 4)
+    assert steady[0] == general[0] and steady[2] == general[2]
+    assert steady[3] > 0 and steady[5] > 0  # r8 waited beside a batch
 
 
 def test_a_row_at_its_length_limit_leaves_the_steady_batch():
@@ -189,27 +230,37 @@ def test_a_row_at_its_length_limit_leaves_the_steady_batch():
     assert kinds[:5] == [(False, 2), (False, 2), (True, 2), (True, 1), (True, 1)]
 
 
-def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list, list, int]:
+def engine_outputs(
+    tiny, steady: bool, prompts, params, arrivals=None, **options
+) -> tuple[list, list, int]:
     """Every request's completions (tokens, text, logprobs, finish), the steady steps
-    dispatched (1) and batches shrunk (0), and the preemptions."""
+    dispatched (1: only the batch's rows, 2: with sequences beside them) and batches
+    rebuilt (0: rows left, 3: rows joined), and the preemptions."""
     engine = make_engine(tiny, **options)
     engine.engine_core.scheduler.steady_decode = steady
     runner = engine.engine_core.worker.runner
-    dispatch, shrink, steps = runner._dispatch_decode, runner._shrink, []
+    dispatch, rebuild, steps = runner._dispatch_decode, runner._rebuild, []
+    dispatch_one = runner._dispatch_one
+
+    def beside(*args):
+        steps.extend([2] if len(args) > 5 and args[5] is not None else [])
+        return dispatch_one(*args)
 
     def counted(*args):
         steps.append(1)
         return dispatch(*args)
 
-    def shrunk(*args):
-        steps.append(0)  # a batch left by finished requests
-        return shrink(*args)
+    def rebuilt(batch, removed, added):
+        steps.append(3 if added else 0)  # rows joined, or only left by finished requests
+        return rebuild(batch, removed, added)
 
-    runner._dispatch_decode, runner._shrink = counted, shrunk
-    outputs = run(engine, prompts, params)
+    runner._dispatch_decode, runner._rebuild = counted, rebuilt
+    runner._dispatch_one = beside
+    outputs = run(engine, prompts, params, arrivals)
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
     completions = [
-        [
+        [repr(out.prompt_logprobs)]
+        + [
             (list(c.token_ids), c.text, repr(c.logprobs), c.finish_reason, c.stop_reason)
             for c in out.outputs
         ]
@@ -225,11 +276,16 @@ def engine_outputs(tiny, steady: bool, prompts, params, **options) -> tuple[list
         dict(async_scheduling=False),
         dict(num_kv_blocks=14, block_size=8, max_model_len=64),  # preemptions
         dict(max_num_seqs=3),  # requests wait for a slot
+        dict(arrivals=[0, 0, 5, 3, 8, 9, 14]),  # admitted beside steady batches
+        dict(arrivals=[0, 0, 5, 3, 8, 9, 14], async_scheduling=False),
     ],
 )
 def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):
-    """Greedy and seeded rows, logprobs, n = 2, stop tokens, a stop string and
-    min_tokens: the same completions with steady steps as without, and most steps steady."""
+    """Greedy and seeded rows, logprobs, prompt logprobs, n = 2, stop tokens, a stop string
+    and min_tokens: the same completions with steady steps as without, and most steps
+    steady; requests arriving later are admitted beside the batch's rows and join it."""
+    options = dict(options)
+    arrivals = options.pop("arrivals", None)
     prompts = make_prompts(7, seed=5)
     final = RequestOutputKind.FINAL_ONLY  # the rows the output processor takes in columns
     params = [
@@ -240,19 +296,20 @@ def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):
         SamplingParams(max_tokens=16, temperature=0.7, seed=4, n=2, output_kind=final),
         SamplingParams(max_tokens=24, min_tokens=3, temperature=1.0, seed=5),
         SamplingParams(max_tokens=12, top_k=5, temperature=1.0, seed=6, stop_token_ids=[9]),
-        SamplingParams(max_tokens=22, **GREEDY),
+        SamplingParams(max_tokens=22, prompt_logprobs=2, **GREEDY),
         SamplingParams(max_tokens=24, seed=8, stop=["w23 w42"], output_kind=final, ignore_eos=True),
     ]
-    general, none, preemptions = engine_outputs(tiny, False, prompts, params, **options)
-    steady, steps, _ = engine_outputs(tiny, True, prompts, params, **options)
-    num_steady = sum(steps)
+    general, none, preemptions = engine_outputs(tiny, False, prompts, params, arrivals, **options)
+    steady, steps, _ = engine_outputs(tiny, True, prompts, params, arrivals, **options)
     assert steady == general
-    assert general[6][0][4] == "w23 w42"  # the stop string ended it
-    assert not none and num_steady >= 6
+    assert general[6][1][4] == "w23 w42"  # the stop string ended it
+    assert not none and steps.count(1) >= 6
     if "num_kv_blocks" in options:
         assert preemptions > 0
     else:
         assert 0 in steps  # a batch that finished requests left
+    if arrivals:  # requests admitted beside a steady batch's rows, then rows of it
+        assert 2 in steps and 3 in steps
 
 
 def test_the_runner_refuses_a_steady_step_of_a_batch_it_does_not_keep(tiny):

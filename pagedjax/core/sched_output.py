@@ -91,6 +91,9 @@ class DecodeStep:
     table_updates: list[tuple[Any, int, Sequence[int]]] = field(default_factory=list)
     # Rows removed since the last step (finished), each numbered after the ones before it.
     removed: list[int] = field(default_factory=list)
+    # Rows joined since the last step, after the removals: (request id, its sample row; the
+    # request's block table is the runner's already).
+    added: list[tuple[Any, SampleRow]] = field(default_factory=list)
 
 
 @dataclass
@@ -137,8 +140,9 @@ class SchedulerOutput:
     # each row's sequence takes (fewer where its length limit comes first); empty for one.
     num_steps: int = 1
     row_steps: list[int] = field(default_factory=list)
-    # A steady decode step (then `seqs` and `rows` are empty: the runner has them), or the
-    # id of the steady batch this step forms (the runner keeps its inputs; 0: none).
+    # A steady decode step (then `seqs` and `rows` are only the sequences scheduled beside
+    # the batch's rows, which the runner has: theirs come first), or the id of the steady
+    # batch this step forms (the runner keeps its inputs; 0: none).
     decode: DecodeStep | None = None
     steady: SteadyRows | None = None  # with `decode`
     batch_id: int = 0
@@ -146,9 +150,10 @@ class SchedulerOutput:
     def chunks(self) -> list[tuple[int, int]]:
         """Each scheduled sequence's (computed tokens before the step, tokens it computes),
         whichever way the step was scheduled."""
-        if self.decode is not None:
-            return [(position, 1) for position in self.decode.positions]
-        return [(s.num_computed_tokens, len(s.token_ids)) for s in self.seqs]
+        chunks = [(s.num_computed_tokens, len(s.token_ids)) for s in self.seqs]
+        if self.decode is not None:  # the batch's rows, then the sequences beside them
+            return [(position, 1) for position in self.decode.positions] + chunks
+        return chunks
 
     @property
     def num_prompt_logprobs(self) -> int | None:

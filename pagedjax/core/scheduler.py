@@ -53,7 +53,7 @@ from pagedjax.core.sched_output import (
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.core.spec_decode import DraftModelSlots, SpecDecodeStats, SpeculativeConfig
-from pagedjax.core.steady_batch import SteadyBatch, plain_rows
+from pagedjax.core.steady_batch import SteadyBatch, plain_request, plain_rows
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,9 @@ class Scheduler:
                 "which is not one of its candidates; return one of them"
             )
         self.running.remove(victim)
-        self._steady = None
+        if self._steady is not None:  # a step beside the batch walks its pending requests
+            self._steady.remove(victim)
+            self._steady = None
         if (
             self.prefer_swap is not None
             and self.kv.can_swap_out(victim)
@@ -311,25 +313,10 @@ class Scheduler:
             self._add_model_input(out, index, request, num_new)
         if out.scheduled or out.swaps_out or out.swaps_in:  # a step that runs
             out.freed_request_ids = self.kv.pop_freed()
-        # The step's effects on the host are known now: the next schedule (async scheduling
-        # runs it while this step is on the device) sees the tokens as computed, each sample
-        # as a placeholder token, and the forked siblings as running.
         if out.row_steps:  # several decode steps: one row per request, in the same order
             self._advance_steps(out)
             return out
-        for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
-        for parent, child in out.forks:
-            parent.children.append(child)
-            self._share_blocks(parent, child)
-        positions = out.row_positions
-        for row, sampler in enumerate(out.row_requests):
-            tokens = sampler.all_token_ids
-            positions.append(len(tokens))
-            if sampler.num_drafts_in_flight:
-                continue  # how many tokens it gets is known only from the step's verdict
-            tokens.append(placeholder_token(row))
-            sampler.held = sampler.hold_samples
+        self._advance(out)
         if self.steady_decode and self._running_sorted and self._forms_steady(out):
             self._num_batches += 1
             self._steady = SteadyBatch.form(
@@ -337,6 +324,26 @@ class Scheduler:
             )
             out.batch_id = self._num_batches
         return out
+
+    def _advance(self, out: SchedulerOutput, first: int = 0, first_row: int = 0) -> None:
+        """The step's effects on the host, from scheduled request `first` and sample row
+        `first_row` on (a steady step's rows have theirs): the next schedule (async
+        scheduling runs it while this step is on the device) sees the tokens as computed,
+        each sample as a placeholder token, and the forked siblings as running."""
+        for request, num_new in out.scheduled[first:]:
+            request.num_computed_tokens += num_new
+        for parent, child in out.forks:
+            parent.children.append(child)
+            self._share_blocks(parent, child)
+        positions, rows = out.row_positions, out.row_requests
+        for row in range(first_row, len(rows)):
+            sampler = rows[row]
+            tokens = sampler.all_token_ids
+            positions.append(len(tokens))
+            if sampler.num_drafts_in_flight:
+                continue  # how many tokens it gets is known only from the step's verdict
+            tokens.append(placeholder_token(row))
+            sampler.held = sampler.hold_samples
 
     def _forms_steady(self, out: SchedulerOutput) -> bool:
         """Whether the step's requests are the running ones, in order, each computing one
@@ -354,22 +361,71 @@ class Scheduler:
 
     def _schedule_steady(self, batch: SteadyBatch) -> SchedulerOutput | None:
         """The steady batch's next step, or None when it is not steady (nothing changed but
-        slots taken, as the general way would take them). Waiting requests keep it steady
-        only while every sequence slot is taken: none could be admitted."""
-        num_running = len(self.running)
-        if num_running != batch.num_running or (self.waiting and num_running < self.max_num_seqs):
+        slots taken and pending requests joined, as the general way would take and keep
+        them). The requests admitted since the batch formed, and those waiting while a
+        sequence slot is free, are scheduled beside its rows the general way."""
+        if len(self.running) != batch.num_running:
             return None
+        if batch.pending:
+            self._join_pending(batch)
         step = batch.schedule(self.kv, self.max_num_batched_tokens)
         if step is None:
             return None
         steady = batch.steady_rows(self.num_finished)
         out = SchedulerOutput(decode=step, steady=steady, row_requests=list(batch.requests))
         out.scheduled = list(zip(batch.requests, repeat(1)))
+        out.row_positions = batch.sample_positions()
+        if batch.pending or (self.waiting and len(self.running) < self.max_num_seqs):
+            self._schedule_beside(out, batch)
         out.block_copies = self.kv.pop_block_copies()
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
         out.freed_request_ids = self.kv.pop_freed()
-        out.row_positions = batch.sample_positions()
         return out
+
+    def _join_pending(self, batch: SteadyBatch) -> None:
+        """Makes rows of the pending requests, first to last, while each one's next token is
+        a plain decode (the general way would schedule it as the batch's rows are)."""
+        pending = batch.pending
+        while pending:
+            request = pending[0]
+            tokens = request.all_token_ids
+            if (
+                len(tokens) - request.num_computed_tokens != 1
+                or request.num_output_tokens == 0  # its first sample is a prefill's
+                or request.held
+                or not plain_request(request)
+                or self._must_wait(request)
+                or _min_tokens_bias(request, request.num_output_tokens) is not _NO_BIAS
+            ):
+                return
+            seed, num_prompt = request.seed, request.num_prompt_tokens
+            index = len(batch.requests)
+            row = SampleRow(index, request.params, tokens, num_prompt, seed, _NO_BIAS, len(tokens))
+            pending.pop(0)
+            batch.join(request, row, self.kv, self.max_model_len)
+
+    def _schedule_beside(self, out: SchedulerOutput, batch: SteadyBatch) -> None:
+        """The general way's share of a steady step, after the batch's rows: the pending
+        requests (their prefill chunks), then waiting requests admitted, each a sequence
+        of the step's own after the batch's (`out.seqs`, `out.rows`), its sample rows after
+        the batch's. Drops the batch after the step where the running requests no longer
+        stay its rows and pending requests, in order."""
+        n = len(out.scheduled)
+        budget = self._schedule_running(out, self.max_num_batched_tokens - n, batch.pending)
+        if self.waiting and not out.preempted:
+            num_running = len(self.running)
+            slots = batch.num_running - len(batch.pending)  # a row holds one slot
+            slots += sum(_sequence_slots(r) for r in batch.pending)
+            self._admit_waiting(out, budget, slots, batch.pending)
+            if self._steady is batch:  # no held request was preempted
+                admitted = self.running[num_running - 1 :]  # after the last running one
+                keys = [self.policy.sort_key(r) for r in admitted]
+                batch.pending += admitted[1:]
+                if any(map(operator.gt, keys, keys[1:])):
+                    self._steady = None  # one admitted out of order: the general way sorts
+        for index, (request, num_new) in enumerate(out.scheduled[n:]):
+            self._add_model_input(out, index, request, num_new)
+        self._advance(out, n, n)
 
     def _steps_left(self, request: EngineRequest, num_new: int) -> int:
         """How many decode steps in a row the request may take without the host: up to its
@@ -426,13 +482,17 @@ class Scheduler:
             first = placeholder_token(row)
             tokens += range(first, first - steps * stride, -stride)  # iterations 0..steps-1
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, running: list[EngineRequest] | None = None
+    ) -> int:
         """Running requests first, in policy order (arrival order among equals: sort is
-        stable); returns the budget left."""
-        running = self.running
-        if not self._running_sorted:
-            running.sort(key=self.policy.sort_key)
-            self._running_sorted = True
+        stable); returns the budget left. `running`: those of them to walk (a steady
+        batch's pending requests), in that order; the preemption victims are among them."""
+        if running is None:
+            running = self.running
+            if not self._running_sorted:
+                running.sort(key=self.policy.sort_key)
+                self._running_sorted = True
         threshold, speculating = self.long_prefill_token_threshold, self._speculating
         index = 0
         while index < len(running) and budget > 0:
@@ -462,7 +522,7 @@ class Scheduler:
                 drafts = []  # no room for guesses: no one is preempted for them
             while not drafts and self.kv.allocate_slots(request, num_new) is None:
                 # running[:index] are scheduled this step: never preempted.
-                if self._preempt(out, self.running[index:]) is request:
+                if self._preempt(out, running[index:]) is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 if drafts:
@@ -472,14 +532,24 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        slots_used: int | None = None,
+        running: list[EngineRequest] | None = None,
+    ) -> None:
         """Waiting requests in order while budget, sequence slots and blocks last; held
-        requests are passed over."""
+        requests are passed over. `slots_used`: the running requests' sequence slots, and
+        `running`: those of them that may be held or use adapters (a steady batch's rows
+        do neither), when known."""
         if not self.waiting:  # the steady state: no walk over the running requests
             return
-        slots_used = sum(_sequence_slots(r) for r in self.running)
+        running = self.running if running is None else running
+        if slots_used is None:
+            slots_used = sum(_sequence_slots(r) for r in running)
         # LoRA: at most max_loras adapters among the running requests (one slot each).
-        loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else set()
+        loras = {r.lora_id for r in running if r.lora_id} if self.max_loras else set()
         index = 0
         while index < len(self.waiting) and budget > 0:
             request = self.waiting[index]
@@ -490,7 +560,7 @@ class Scheduler:
             room = slots_used + _sequence_slots(request) <= self.max_num_seqs
             num_new = self._allocate_admission(request, budget) if room else None
             if num_new is None:
-                if not self._preempt_held(out):
+                if not self._preempt_held(out, running):
                     break
                 slots_used -= 1
                 index += 1  # the held request went in front of it
@@ -538,11 +608,11 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         return num_new
 
-    def _preempt_held(self, out: SchedulerOutput) -> bool:
-        """Preempts a held running request for a waiting one, if there is any: it computes
-        nothing until released, and the waiting request may be what it waits for (a beam
-        whose siblings are held until it has sampled)."""
-        held = [request for request in self.running if request.held]
+    def _preempt_held(self, out: SchedulerOutput, running: list[EngineRequest]) -> bool:
+        """Preempts a held running request (of `running`) for a waiting one, if there is
+        any: it computes nothing until released, and the waiting request may be what it
+        waits for (a beam whose siblings are held until it has sampled)."""
+        held = [request for request in running if request.held]
         if held:
             self._preempt(out, held)
         return bool(held)
@@ -683,10 +753,13 @@ class Scheduler:
                 )
             )
             first += count
-        if out.steady is not None:
-            return outputs + self._update_steady(out, result)
-        positions, spec_rows = out.row_positions, out.spec_rows
         row, rows = 0, out.row_requests
+        if out.steady is not None:
+            outputs += self._update_steady(out, result)
+            row = len(out.decode.positions)  # the general way's rows beside the batch's
+            if row == len(rows):
+                return outputs
+        positions, spec_rows = out.row_positions, out.spec_rows
         if out.row_steps:
             # Python lists: a row's tokens read from them cost a fraction of numpy's per-row
             # slicing; its flags are read alone only where a row is not plainly finite.
@@ -761,7 +834,8 @@ class Scheduler:
         no Python loop; the rows a stop token, the length limit or NaN logits end, one by
         one. Rows finished since the step was scheduled are dropped."""
         rows, positions, steady = out.row_requests, out.row_positions, out.steady
-        num_rows = len(rows)
+        num_rows = len(out.decode.positions)
+        rows = rows[:num_rows] if len(rows) > num_rows else rows
         tokens = result.token_ids.tolist()[:num_rows]
         ended = set(steady.ending)
         hits = steady.stop_token_ids.intersection(tokens)

@@ -10,8 +10,11 @@ runner keeps the rest of the rows' inputs from the step that formed the batch (`
 
 The requests stay the truth: each step still advances their computed tokens and appends
 their placeholders, so any step may be scheduled the general way. A request that finishes
-leaves its row; the batch lasts until the running requests change otherwise (an admission,
-a preemption, a fork): the scheduler drops it then, and a later general step forms a new one.
+leaves its row. Requests admitted while the batch lasts are `pending`: the general way
+schedules them beside the batch's rows (their prefill), in the same step, and each joins the
+batch as a new last row once it decodes plainly. The batch lasts until the running requests
+change otherwise (a preemption, a fork, an admission out of order): the scheduler drops it
+then, and a later general step forms a new one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,22 @@ from pagedjax.core.kv_cache_manager import KVCacheManager
 from pagedjax.core.sched_output import DecodeStep, SampleRow, SteadyRows, placeholder_token
 
 
+def limit_of(request: EngineRequest, max_model_len: int) -> int:
+    """The most tokens the request's sequence may hold."""
+    return min(request.num_prompt_tokens + request.max_tokens, max_model_len)
+
+
+def plain_request(request: EngineRequest) -> bool:
+    """Whether the request samples with nothing that needs the host between its steps: no
+    constraints, penalties, held samples or adapter."""
+    return (
+        request.constraints is None
+        and not request.needs_output_on_host
+        and not request.hold_samples
+        and not request.lora_id
+    )
+
+
 def plain_rows(requests: Sequence[EngineRequest], rows: Sequence[SampleRow], bias: dict) -> bool:
     """Whether each request samples exactly row i (in order) with nothing that changes from
     step to step or needs the host between them: no bias (min_tokens), constraints, drafts,
@@ -35,10 +54,7 @@ def plain_rows(requests: Sequence[EngineRequest], rows: Sequence[SampleRow], bia
         and row.extra_bias is bias
         and row.constraints is None
         and row.draft_token < 0
-        and request.constraints is None
-        and not request.needs_output_on_host
-        and not request.hold_samples
-        and not request.lora_id
+        and plain_request(request)
         for i, (request, row) in enumerate(zip(requests, rows, strict=True))
     )
 
@@ -65,14 +81,19 @@ class SteadyBatch:
     # (a step's `SteadyRows` holds them).
     group_ids: list[str]
     indices: list[int]
-    stop_token_ids: frozenset[int]  # those of every row formed (a superset of the rows')
+    stop_token_ids: frozenset[int]  # those of every row ever (a superset of the rows')
     num_steps: int = 0  # steps taken
     # Rows removed since the last step, each numbered after the removals before it.
     removed: list[int] = field(default_factory=list)
     # Running requests out of the batch at their length limit: they finish next.
     retired: set[EngineRequest] = field(default_factory=set)
-    # Each request's row at formation: the order the general way allocates their blocks in.
+    # Each request's rank among the rows ever in the batch: the order the general way
+    # allocates their blocks in.
     rank: dict[EngineRequest, int] = field(default_factory=dict)
+    # Running requests admitted since the batch formed, not rows yet, in running order.
+    pending: list[EngineRequest] = field(default_factory=list)
+    # Rows joined since the last step: (request id, its sample row), in row order.
+    added: list[tuple[object, SampleRow]] = field(default_factory=list)
 
     @staticmethod
     def form(
@@ -81,7 +102,7 @@ class SteadyBatch:
         """The batch of `requests`, each holding one token more than it computed."""
         requests = list(requests)
         base = [r.num_computed_tokens for r in requests]
-        limits = (min(r.num_prompt_tokens + r.max_tokens, max_model_len) for r in requests)
+        limits = (limit_of(r, max_model_len) for r in requests)
         batch = SteadyBatch(
             batch_id,
             requests,
@@ -108,12 +129,30 @@ class SteadyBatch:
     @property
     def num_running(self) -> int:
         """The running requests the batch stands for."""
-        return len(self.requests) + len(self.retired)
+        return len(self.requests) + len(self.retired) + len(self.pending)
+
+    def join(self, request: EngineRequest, row: SampleRow, kv: KVCacheManager, max_model_len: int):
+        """Makes a pending request, whose next token is one plain decode sampling `row`, the
+        batch's last row."""
+        index, now = len(self.requests), self.num_steps
+        base = request.num_computed_tokens - now
+        self.requests.append(request)
+        self.base.append(base)
+        self.limits.append(limit_of(request, max_model_len) - 1 - base)
+        self.placeholders.append(placeholder_token(index))
+        self.group_ids = [*self.group_ids, request.group_id]  # the last step's stay as they are
+        self.indices = [*self.indices, request.sample_index]
+        self.stop_token_ids |= request.stop_token_ids
+        self.rank[request] = len(self.rank)
+        self.added.append((request.request_id, row))
+        self._schedule_slots([request], kv)
 
     def remove(self, request: EngineRequest) -> None:
         """Takes a finished request out."""
         if request in self.retired:
             self.retired.remove(request)
+        elif self.pending and request in self.pending:
+            self.pending.remove(request)
         else:
             self._remove_row(self.requests.index(request))
 
@@ -163,7 +202,8 @@ class SteadyBatch:
         self.num_steps = step + 1
         self._schedule_slots(grown, kv)
         removed, self.removed = self.removed, []
-        return DecodeStep(self.batch_id, token_ids, positions, updates, removed)
+        added, self.added = self.added, []
+        return DecodeStep(self.batch_id, token_ids, positions, updates, removed, added)
 
     def steady_rows(self, num_finished: int) -> SteadyRows:
         """The last step's rows as its update reads them; `num_finished`: the sequences

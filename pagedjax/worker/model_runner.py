@@ -573,26 +573,35 @@ class ModelRunner:
         num_rows: int,
         block_copies: Sequence[tuple[int, int]],
         rows_for_every_token: bool = False,
+        head: tuple | None = None,
     ) -> tuple:
         """Fills the host buffers for a step; returns the forward's array arguments, the
         padded number of logits rows (at least the padded tokens with `rows_for_every_token`:
         prompt logprobs then cost one forward shape per token bucket, not one per row count),
         and the sequences with model drafts: (index, its last token's index in the step, that
         token's position, its number of drafts m). Their drafts' stand-ins become
-        placeholders naming the drafts, after the previous step's samples."""
+        placeholders naming the drafts, after the previous step's samples. `head`: one-token
+        sequences before `seqs` (a steady batch's rows: their table rows, the most table
+        entries any uses, their tokens and positions; one KV cache group)."""
         num_tokens = sum(len(s.token_ids) for s in seqs)
+        # Gathered in Python lists and written with one numpy call each: most sequences are
+        # decodes of one token, for which a numpy call per sequence costs more than the work.
+        table_rows, most, step_tokens, step_positions, ends, lens = [], 0, [], [], [], []
+        if head is not None:
+            head_rows, most, step_tokens, step_positions = head
+            table_rows, step_tokens = head_rows.tolist(), list(step_tokens)
+            step_positions = list(step_positions)
+            ends, lens = list(range(1, len(table_rows) + 1)), [p + 1 for p in step_positions]
+            num_tokens += len(table_rows)
+        end = len(ends)
         # The sequences' rows of the persistent tables, brought up to date, in one gather.
         update = self.block_tables.update
-        table_rows = [update(s.request_id, s.table_start, s.new_block_ids) for s in seqs]
-        most = max(s.table_start + len(s.new_block_ids) for s in seqs)
-        group_tables = [self.block_tables.gather(table_rows, most)]  # [len(seqs), most]
+        table_rows += [update(s.request_id, s.table_start, s.new_block_ids) for s in seqs]
+        most = max(most, *(s.table_start + len(s.new_block_ids) for s in seqs))
+        group_tables = [self.block_tables.gather(table_rows, most)]  # [sequences, most]
         for group, tables in enumerate(self.group_block_tables):  # every one as long
             rows = [tables.update(s.request_id, *s.group_tables[group]) for s in seqs]
             group_tables.append(tables.gather(rows, most))
-        # Gathered in Python lists and written with one numpy call each: most sequences are
-        # decodes of one token, for which a numpy call per sequence costs more than the work.
-        step_tokens, step_positions, ends, lens = [], [], [], []
-        end = 0
         for seq in seqs:
             computed, token_ids = seq.num_computed_tokens, seq.token_ids
             q_len = len(token_ids)
@@ -605,10 +614,10 @@ class ModelRunner:
             end += q_len
             ends.append(end)
             lens.append(computed + q_len)
-        if num_tokens == len(seqs):  # one token per sequence
+        if num_tokens == len(ends):  # one token per sequence
             owner = np.arange(num_tokens)
         else:
-            owner = np.repeat(np.arange(len(seqs)), np.diff(ends, prepend=0))
+            owner = np.repeat(np.arange(len(ends)), np.diff(ends, prepend=0))
         inputs = self._fill_inputs(
             group_tables, step_tokens, step_positions, owner, ends, lens, block_copies, seqs
         )
@@ -723,12 +732,19 @@ class ModelRunner:
         ones). Placeholder tokens in `seqs` are `previous`'s samples, read on the device.
         num_steps > 1: that many decode steps (`decode_steps`), row r taking row_steps[r].
         decode: a steady decode step of the batch a step with that `batch_id` formed (whose
-        inputs are kept: `decode_batch.py`)."""
+        inputs are kept: `decode_batch.py`), its rows before `seqs`' (then `rows` are
+        only theirs)."""
         for tables in (self.block_tables, *self.group_block_tables):
             tables.forget(freed_request_ids)  # before the step's own updates
         self._swap(*swaps)
         if decode is not None:
-            handle = self._dispatch_decode(decode, block_copies, previous)
+            if seqs:  # sequences beside the batch's rows: a step of both, the general way
+                batch = self._update_batch(decode)
+                handle = self._dispatch_one(
+                    seqs, rows, block_copies, num_prompt_logprobs, previous, (batch, decode)
+                )
+            else:
+                handle = self._dispatch_decode(decode, block_copies, previous)
             return handle.prefetch() if self.prefetch_results else handle
         self._decode_batch = None
         if not seqs:
@@ -771,10 +787,18 @@ class ModelRunner:
         s_pad = min(t_pad, self.max_seqs_bucket)
         return max(t_pad if rows_for_every_token else s_pad, next_power_of_2(num_rows))
 
-    def _shrink(self, batch: DecodeBatch, removed: Sequence[int]) -> DecodeBatch:
-        """The kept batch without the `removed` rows (finished): its layout and sampling
-        arrays for the rows left."""
+    def _rebuild(
+        self, batch: DecodeBatch, removed: Sequence[int], added: Sequence[tuple[Any, SampleRow]]
+    ) -> DecodeBatch:
+        """The kept batch without the `removed` rows (finished) and with the `added` ones
+        last (joined): its layout and sampling arrays for the rows it has now."""
         request_ids, rows, table_rows, counters = batch.without(removed)
+        if added:
+            new_ids = [request_id for request_id, _ in added]
+            new_rows = [row for _, row in added]
+            request_ids, rows = request_ids + new_ids, rows + new_rows
+            table_rows = np.concatenate([table_rows, self.block_tables.rows_of(new_ids)[0]])
+            counters = np.concatenate([counters, _draw_counters(new_rows, len(new_rows))])
         _, num_blocks = self.block_tables.rows_of(request_ids)
         r_pad = self._rows_bucket(len(rows))
         padded = np.zeros(r_pad, np.int32)
@@ -785,20 +809,27 @@ class ModelRunner:
             batch.decode_only,
         )  # fmt: skip
 
-    def prepare_decode(self, decode: DecodeStep, block_copies: Sequence[tuple[int, int]]) -> tuple:
-        """`prepare` for a steady decode step, from the kept batch and the step's arrays:
-        (tokens, positions, metadata, copies, sources)."""
+    def _update_batch(self, decode: DecodeStep) -> DecodeBatch:
+        """The kept batch for a steady step: each row's draw counter one on, the rows removed
+        and joined since the last step, the table changes."""
         batch = self._decode_batch
         if batch is None or batch.batch_id != decode.batch_id:
             kept = batch.batch_id if batch else None
             raise RuntimeError(
                 f"a steady step of batch {decode.batch_id} but the runner keeps batch {kept}"
             )
-        if decode.removed:
-            batch = self._decode_batch = self._shrink(batch, decode.removed)
+        batch.counters[: len(batch.rows)] += 1  # one more token each (not a joined row)
+        if decode.removed or decode.added:
+            batch = self._decode_batch = self._rebuild(batch, decode.removed, decode.added)
         for request_id, start, block_ids in decode.table_updates:
             self.block_tables.update(request_id, start, block_ids)
             batch.num_blocks = max(batch.num_blocks, start + len(block_ids))
+        return batch
+
+    def prepare_decode(self, decode: DecodeStep, block_copies: Sequence[tuple[int, int]]) -> tuple:
+        """`prepare` for a steady decode step, from the kept batch and the step's arrays:
+        (tokens, positions, metadata, copies, sources)."""
+        batch = self._update_batch(decode)
         tables = [self.block_tables.gather(batch.table_rows, batch.num_blocks)]
         positions = np.asarray(decode.positions, np.int32)
         tokens = np.asarray(decode.token_ids, np.int32)
@@ -816,7 +847,6 @@ class ModelRunner:
         """A steady decode step: the forward over the kept batch, a sample for each row."""
         tokens, positions, metadata, copies, sources = self.prepare_decode(decode, block_copies)
         batch = self._decode_batch
-        batch.counters[: len(batch.rows)] += 1  # one more token each
         logits, self.kv_cache, steps = self._forward(
             self.params,
             tokens,
@@ -846,12 +876,23 @@ class ModelRunner:
         block_copies: Sequence[tuple[int, int]],
         num_prompt_logprobs: int | None,
         previous: StepHandle | None,
+        head: tuple[DecodeBatch, DecodeStep] | None = None,
     ) -> StepHandle:
-        """One step: the forward, a sample for each row, the prompt logprobs asked."""
+        """One step: the forward, a sample for each row, the prompt logprobs asked. `head`:
+        a steady batch's rows (and their step) before the sequences', a sample row each."""
         sample_rows, prompt_rows, targets = _logits_rows(seqs, rows)
+        counters = _draw_counters(rows, len(rows))
+        if head is not None:
+            batch, decode = head
+            n = len(batch.rows)
+            sample_rows = list(range(n)) + [r + n for r in sample_rows]
+            prompt_rows = [r + n for r in prompt_rows]
+            counters = np.concatenate([batch.counters[:n], counters])
+            rows = batch.rows + list(rows)
+            head = (batch.table_rows, batch.num_blocks, decode.token_ids, decode.positions)
         num_rows = len(rows) + len(prompt_rows)
         tokens, positions, metadata, r_pad, copies, sources, drafted = self.prepare(
-            seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows)
+            seqs, num_rows, block_copies, rows_for_every_token=bool(prompt_rows), head=head
         )
         logits_rows = np.zeros(r_pad, np.int32)
         logits_rows[:num_rows] = sample_rows + prompt_rows
@@ -876,7 +917,7 @@ class ModelRunner:
             sources,
             sampled,
             decode_only=decode_only,
-            steps=_draw_counters(rows, r_pad),
+            steps=np.pad(counters, (0, r_pad - len(counters))),
         )
         prompt = None
         if prompt_rows:

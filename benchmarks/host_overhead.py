@@ -36,8 +36,10 @@ ratio. With it on, step N+1's host work runs while step N is on the device.
 --transfers: a steady decode step's host arrays sent packed (as the engine does) against one
 jit argument each (as it did), in the same run: µs per call, waited on.
 
---arrivals: steady decode steps while requests come and go (`arrivals`): the share of steps
-that were steady at each arrival rate, and the queue at the end.
+--arrivals: steady decode steps while requests come and go (`arrivals`), the device stubbed as
+for --host-only: at each arrival rate the share of steps that were steady (with and without
+prefills beside the batch's rows), the host's CPU µs per step, and the queue at the end; the
+peer: the same with steady decode steps off.
 
 --generate: what a user sees, `LLM.generate` of --running prompts of 16-64 random tokens x
 --steps greedy tokens (ignore_eos, max_num_seqs = --running) on a model whose device work is
@@ -208,37 +210,69 @@ def host_only_runs(multi_step: int, smoke: bool = False) -> list[tuple]:
     return runs + (peers[-1:] if smoke else peers)
 
 
-def host_only(args) -> None:
-    import types
+class DeviceStubs:
+    """The forward, the sampler and the loop of decode steps replaced by stubs that return at
+    once, with random tokens of ordinary text (no newline, so a stop string never ends a
+    request): a step is then the engine's host work alone. Installed on entry (after the
+    engine's start-up, which runs a real step on a GPU), taken out on exit."""
 
-    import numpy as np
+    def __init__(self, llm) -> None:
+        import numpy as np
 
-    from pagedjax.engine_core_proc import pack_outputs
-    from pagedjax.worker import model_runner
+        decode = llm.get_tokenizer().decode
+        vocab_size = llm.llm_engine.model_config.vocab_size  # a small model's is under 40000
+        self.words = np.array(
+            [i for i in range(1000, min(40000, vocab_size)) if "\n" not in decode([i])]
+        )
+        self.rng = np.random.default_rng(0)
 
-    rng = np.random.default_rng(0)
-    words = None  # ids of ordinary text: no newline, so the stop string never ends a request
-
-    def random_tokens(logits, meta, *args, **options):
+    def sample_step(self, logits, meta, *args, **options):
         """sample_step's stub: random tokens (and no placeholders: the forward is a stub)."""
+        import types
+
+        import numpy as np
+
         rows = meta.temperature.shape[0]
-        tokens = rng.choice(words, rows).astype(np.int32)
+        tokens = self.rng.choice(self.words, rows).astype(np.int32)
         finite = np.ones(rows, bool)
         out = types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
         return out, None
 
-    class RandomSteps:
-        """decode_steps' stub: [num_steps, rows] random tokens."""
+    def __enter__(self) -> DeviceStubs:
+        from pagedjax.worker import model_runner
 
-        def __call__(self, params, packed, previous, kv_cache, meta, num_steps: int, **options):
-            rows = meta.temperature.shape[0]  # the logits rows
-            tokens = rng.choice(words, (num_steps, rows)).astype(np.int32)
-            return tokens, np.ones((num_steps, rows), bool), None, kv_cache, None
+        self.real = model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step
+        model_runner.sample_step, model_runner.decode_steps = self.sample_step, RandomSteps(self)
+        model_runner.forward_step = NoForward()
+        return self
 
-        def _cache_size(self) -> int:
-            return 0
+    def __exit__(self, *exc) -> None:
+        from pagedjax.worker import model_runner
 
-    real = model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step
+        model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step = self.real
+
+
+class RandomSteps:
+    """decode_steps' stub: [num_steps, rows] random tokens."""
+
+    def __init__(self, stubs: DeviceStubs) -> None:
+        self.stubs = stubs
+
+    def __call__(self, params, packed, previous, kv_cache, meta, num_steps: int, **options):
+        import numpy as np
+
+        rows = meta.temperature.shape[0]  # the logits rows
+        tokens = self.stubs.rng.choice(self.stubs.words, (num_steps, rows)).astype(np.int32)
+        return tokens, np.ones((num_steps, rows), bool), None, kv_cache, None
+
+    def _cache_size(self) -> int:
+        return 0
+
+
+def host_only(args) -> None:
+    from pagedjax.engine_core_proc import pack_outputs
+
+    stubs = None
     # Outputs of ~40 tokens on prompts of 25-200, as mid-generation.
     warm_steps = 2 if args.smoke else 30
     result = {"running_requests": args.running, "steps": args.steps}
@@ -250,14 +284,8 @@ def host_only(args) -> None:
         )
         engine = llm.llm_engine
         engine.engine_core.scheduler.steady_decode = steady
-        if words is None:
-            decode = llm.get_tokenizer().decode
-            vocab_size = engine.model_config.vocab_size  # a small model's is under 40000
-            ids = range(1000, min(40000, vocab_size))
-            words = np.array([i for i in ids if "\n" not in decode([i])])
-        # Stubbed after start-up: a GPU engine's start-up runs a real step (the attention probe).
-        model_runner.sample_step, model_runner.decode_steps = random_tokens, RandomSteps()
-        model_runner.forward_step = NoForward()
+        stubs = stubs or DeviceStubs(llm)
+        stubs.__enter__()
         engine.engine_core.worker.runner.prefetch_results = False  # the stubs hand back numpy
         # As many tokens per row as one step per dispatch: fewer dispatches of several.
         warm, steps = max(1, warm_steps // num_steps), max(1, args.steps // num_steps)
@@ -303,7 +331,7 @@ def host_only(args) -> None:
             result[f"{name}_us_per_token_step_median"] = 1e6 * median / token_steps
             core_median = statistics.median(core_times)
             result[f"{name}_core_us_per_token_step_median"] = 1e6 * core_median / token_steps
-        model_runner.sample_step, model_runner.decode_steps, model_runner.forward_step = real
+        stubs.__exit__()
         untime_phases(engine)
         del core.step, llm, engine, core
     report("host_overhead_host_only", result, smoke=args.smoke)
@@ -394,12 +422,15 @@ def generate_steps(args) -> None:
 
 
 def arrivals(args) -> None:
-    """How many steps are steady while requests come and go: --running slots, as many
-    requests at the start, then each step one more with the chance each of --rates gives;
-    every request 16-64 random prompt tokens x 50-300 greedy tokens (ignore_eos) on the small
-    model. Over --steps engine steps after a warm-up: the share of those that ran that were
-    steady, and the requests waiting at the end (a queue: every slot taken, each finish
-    admits one). (No times: new prompt lengths compile new prefill shapes as they come.)"""
+    """Steady decode steps while requests come and go: --running slots, as many requests at
+    the start, then each step one more with the chance each of --rates gives; every request
+    16-64 random prompt tokens x 50-300 tokens (greedy, ignore_eos), the device stubbed
+    (`DeviceStubs`: the host's work alone). Over --steps engine steps after a warm-up, with
+    steady decode steps on and off (`_general`, the peer, in the same run): the shares of the
+    steps that ran that were steady (only the batch's rows) and steady with sequences beside
+    the rows (prefills of requests admitted), the host's CPU µs per step (median and mean: a
+    step that admits costs more), and the requests waiting at the end (a queue: every slot
+    taken, each finish admits one)."""
     import random
 
     from pagedjax.sampling_params import SamplingParams
@@ -407,39 +438,56 @@ def arrivals(args) -> None:
     result = {"running_requests": args.running, "steps": args.steps}
     rates = args.rates.split(",")[-1:] if args.smoke else args.rates.split(",")
     for rate in map(float, rates):
-        llm = make_llm(args.running, args.model)
-        engine = llm.llm_engine
-        scheduler, steady = engine.engine_core.scheduler, []
-        schedule = scheduler.schedule
+        for steady in (True, False):
+            llm = make_llm(args.running, args.model)
+            engine = llm.llm_engine
+            scheduler = engine.engine_core.scheduler
+            scheduler.steady_decode = steady
+            kinds, schedule = [], scheduler.schedule
 
-        def counted(schedule=schedule, steady=steady):
-            out = schedule()
-            if out.scheduled:  # a step that runs
-                steady.append(out.decode is not None)
-            return out
+            def counted(schedule=schedule, kinds=kinds):
+                out = schedule()
+                if out.scheduled:  # a step that runs: 0 general, 1 steady, 2 with prefills
+                    kinds.append(0 if out.decode is None else 1 + bool(out.seqs))
+                return out
 
-        scheduler.schedule = counted
-        rng, vocab = random.Random(0), engine.model_config.vocab_size
+            scheduler.schedule = counted
+            rng, vocab = random.Random(0), engine.model_config.vocab_size
 
-        def arrive(index: int, rng=rng, vocab=vocab, engine=engine) -> None:
-            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
-            params = SamplingParams(temperature=0, max_tokens=rng.randint(50, 300), ignore_eos=True)
-            engine.add_request(f"a{index}", {"prompt_token_ids": prompt}, params)
+            def arrive(index: int, rng=rng, vocab=vocab, engine=engine) -> None:
+                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
+                params = SamplingParams(
+                    temperature=0, max_tokens=rng.randint(50, 300), ignore_eos=True
+                )
+                engine.add_request(f"a{index}", {"prompt_token_ids": prompt}, params)
 
-        for index in range(args.running):
-            arrive(index)
-        warm = 2 if args.smoke else 50
-        for step in range(warm + args.steps):
-            if rng.random() < rate:
-                arrive(args.running + step)
-            if step == warm:
-                del steady[:]
-            engine.step()
+            with DeviceStubs(llm):
+                engine.engine_core.worker.runner.prefetch_results = False  # numpy from stubs
+                for index in range(args.running):
+                    arrive(index)
+                warm, cpu_times = (2 if args.smoke else 50), []
+                for step in range(warm + args.steps):
+                    if rng.random() < rate:
+                        arrive(args.running + step)
+                    if step == warm:
+                        del kinds[:]
+                    start = time.thread_time()
+                    engine.step()
+                    if step >= warm:
+                        cpu_times.append(time.thread_time() - start)
+            name = f"rate_{rate:g}" + ("" if steady else "_general")
+            result[f"{name}_steady_share"] = kinds.count(1) / max(len(kinds), 1)
+            result[f"{name}_beside_share"] = kinds.count(2) / max(len(kinds), 1)
+            result[f"{name}_us_per_step_median"] = 1e6 * statistics.median(cpu_times)
+            result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
+            result[f"{name}_waiting_at_end"] = len(scheduler.waiting)
+            engine.shutdown()
+            del llm, engine, scheduler
+    for rate in map(float, rates):
         name = f"rate_{rate:g}"
-        result[f"{name}_steady_share"] = sum(steady) / max(len(steady), 1)
-        result[f"{name}_waiting_at_end"] = len(scheduler.waiting)
-        engine.shutdown()
-        del llm, engine
+        ratio = result[f"{name}_general_us_per_step_mean"] / result[f"{name}_us_per_step_mean"]
+        result[f"{name}_general_over_steady_mean"] = ratio
+        print(f"rate {rate:g}: general/steady host time per step (mean) {ratio:.2f}x")
     report("host_overhead_arrivals", result, smoke=args.smoke)
 
 
@@ -536,7 +584,7 @@ def main() -> None:
         "--transfers", action="store_true", help="a step's host arrays packed vs one by one"
     )
     parser.add_argument(
-        "--arrivals", action="store_true", help="the share of steady steps under arrivals"
+        "--arrivals", action="store_true", help="steady steps and host us under arrivals"
     )
     parser.add_argument(
         "--rates", default="0.02,0.1,0.5", help="--arrivals: requests arriving per step"

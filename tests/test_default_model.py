@@ -103,15 +103,23 @@ def test_greedy_tokens_equal_transformers(llm, hf_default_model):
 
 def test_int8_activations_answer_and_stay_batch_invariant(llm):
     """int8_activations=True (llama.cpp's numerics on the file's Q4_1 and Q8_0 weights):
-    every block-quantized matmul is an Int8Weight; a prompt's greedy tokens are the same alone
-    and among the others (each row quantized on its own); it answers a plain question, and its
+    every block-quantized matmul is an Int8Weight; with batch_invariant=True a prompt's greedy
+    tokens are the same alone and among the others (each row quantized on its own; without it,
+    a prompt chunked differently among others runs other attention tiles, and on an AVX2
+    machine that flips a near-tie of this prompt's); it answers a plain question, and its
     prompt logprobs stay near the float32 engine's. (Not the chat answer: like llama.cpp's on
     this file, its greedy reply to the first prompt is "L'Étoile, la ...", not Paris.)"""
     from pagedjax.cpu_native.matmul import Int8Weight
     from pagedjax.llm import LLM
     from pagedjax.sampling_params import SamplingParams
 
-    int8 = LLM(None, max_model_len=512, max_num_batched_tokens=256, int8_activations=True)
+    int8 = LLM(
+        None,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        int8_activations=True,
+        batch_invariant=True,
+    )
     params = int8.llm_engine.engine_core.worker.runner.params
     assert isinstance(params["lm_head"], Int8Weight)
     assert all(isinstance(w, Int8Weight) for w in params["layers"]["w_down"].layers)

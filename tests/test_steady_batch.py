@@ -272,12 +272,10 @@ def engine_outputs(
 @pytest.mark.parametrize(
     "options",
     [
-        dict(),
-        dict(async_scheduling=False),
-        dict(num_kv_blocks=14, block_size=8, max_model_len=64),  # preemptions
-        dict(max_num_seqs=3),  # requests wait for a slot
         dict(arrivals=[0, 0, 5, 3, 8, 9, 14]),  # admitted beside steady batches
         dict(arrivals=[0, 0, 5, 3, 8, 9, 14], async_scheduling=False),
+        dict(num_kv_blocks=14, block_size=8, max_model_len=64),  # preemptions
+        dict(max_num_seqs=3),  # requests wait for a slot
     ],
 )
 def test_the_engine_samples_the_same_tokens_with_steady_steps(tiny, options):

@@ -2,7 +2,7 @@
 persistent batch): what the step that formed it prepared and what its later steps keep.
 
 Its steps send only each row's token, position and changed block table entries, and the
-rows removed (`DecodeStep`); the rest (which persistent table row each request has, the
+rows removed and joined (`DecodeStep`); the rest (which persistent table row each request has, the
 logits rows, the sampling arrays already on the device) is this, and the draw counters
 advance by one a step.
 """

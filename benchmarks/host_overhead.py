@@ -438,7 +438,7 @@ def arrivals(args) -> None:
     result = {"running_requests": args.running, "steps": args.steps}
     rates = args.rates.split(",")[-1:] if args.smoke else args.rates.split(",")
     for rate in map(float, rates):
-        for steady in (True, False):
+        for steady in (True,) if args.smoke else (True, False):  # smoke: the path, not a peer
             llm = make_llm(args.running, args.model)
             engine = llm.llm_engine
             scheduler = engine.engine_core.scheduler
@@ -465,25 +465,30 @@ def arrivals(args) -> None:
                 engine.engine_core.worker.runner.prefetch_results = False  # numpy from stubs
                 for index in range(args.running):
                     arrive(index)
-                warm, cpu_times = (2 if args.smoke else 50), []
+                warm, cpu_times, by_kind = (2 if args.smoke else 50), [], {}
                 for step in range(warm + args.steps):
                     if rng.random() < rate:
                         arrive(args.running + step)
                     if step == warm:
                         del kinds[:]
-                    start = time.thread_time()
+                    ran, start = len(kinds), time.thread_time()
                     engine.step()
                     if step >= warm:
                         cpu_times.append(time.thread_time() - start)
+                        if len(kinds) > ran:  # the step's own time, by the way it was scheduled
+                            by_kind.setdefault(kinds[-1], []).append(cpu_times[-1])
             name = f"rate_{rate:g}" + ("" if steady else "_general")
             result[f"{name}_steady_share"] = kinds.count(1) / max(len(kinds), 1)
             result[f"{name}_beside_share"] = kinds.count(2) / max(len(kinds), 1)
             result[f"{name}_us_per_step_median"] = 1e6 * statistics.median(cpu_times)
             result[f"{name}_us_per_step_mean"] = 1e6 * statistics.fmean(cpu_times)
+            for kind, times in sorted(by_kind.items()):
+                label = ("general", "steady", "beside")[kind]
+                result[f"{name}_{label}_us_median"] = 1e6 * statistics.median(times)
             result[f"{name}_waiting_at_end"] = len(scheduler.waiting)
             engine.shutdown()
             del llm, engine, scheduler
-    for rate in map(float, rates):
+    for rate in map(float, [] if args.smoke else rates):
         name = f"rate_{rate:g}"
         ratio = result[f"{name}_general_us_per_step_mean"] / result[f"{name}_us_per_step_mean"]
         result[f"{name}_general_over_steady_mean"] = ratio

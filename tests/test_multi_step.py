@@ -45,7 +45,6 @@ def check_multi_step(engine) -> None:
     assert core.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     "options",
     [
@@ -56,21 +55,24 @@ def check_multi_step(engine) -> None:
     ],
     ids=["plain", "chunked", "preempting", "prefix_cached"],
 )
-def test_tokens_equal_single_steps(tiny, options, async_scheduling):
+def test_tokens_equal_single_steps(tiny, options):
+    """Steps of several decode steps, with async scheduling off and on, against single
+    synchronous steps (the same tokens and logprobs either way)."""
     prompts = make_prompts(len(PARAMS), seed=21)
     if options.get("enable_prefix_caching"):  # shared prefixes, hit while others decode
         prompts = prompts + [prompts[0][:20] + p for p in prompts[:4]]
     params = (PARAMS * 2)[: len(prompts)]
-    single = run(make_engine(tiny, async_scheduling=async_scheduling, **options), prompts, params)
-    engine = make_engine(
-        tiny, async_scheduling=async_scheduling, num_scheduler_steps=STEPS, **options
-    )
-    got = run(engine, prompts, params)
-    assert all_tokens(got) == all_tokens(single)
-    assert_same_logprobs(got, single)
-    check_multi_step(engine)
-    if "num_kv_blocks" in options:
-        assert engine.engine_core.scheduler.num_preemptions > 0
+    single = run(make_engine(tiny, async_scheduling=False, **options), prompts, params)
+    for async_scheduling in (False, True):
+        engine = make_engine(
+            tiny, async_scheduling=async_scheduling, num_scheduler_steps=STEPS, **options
+        )
+        got = run(engine, prompts, params)
+        assert all_tokens(got) == all_tokens(single), async_scheduling
+        assert_same_logprobs(got, single)
+        check_multi_step(engine)
+        if "num_kv_blocks" in options:
+            assert engine.engine_core.scheduler.num_preemptions > 0
 
 
 def test_greedy_matches_transformers(tiny):

@@ -424,7 +424,8 @@ def generate_steps(args) -> None:
 def arrivals(args) -> None:
     """Steady decode steps while requests come and go: --running slots, as many requests at
     the start, then each step one more with the chance each of --rates gives; every request
-    16-64 random prompt tokens x 50-300 tokens (greedy, ignore_eos), the device stubbed
+    16-64 random prompt tokens x 50-300 tokens (greedy, ignore_eos, FINAL_ONLY as
+    `LLM.generate` asks: the output processor's per-row work left out), the device stubbed
     (`DeviceStubs`: the host's work alone). Over --steps engine steps after a warm-up, with
     steady decode steps on and off (`_general`, the peer, in the same run): the shares of the
     steps that ran that were steady (only the batch's rows) and steady with sequences beside
@@ -433,7 +434,7 @@ def arrivals(args) -> None:
     taken, each finish admits one)."""
     import random
 
-    from pagedjax.sampling_params import SamplingParams
+    from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
     result = {"running_requests": args.running, "steps": args.steps}
     rates = args.rates.split(",")[-1:] if args.smoke else args.rates.split(",")
@@ -457,7 +458,10 @@ def arrivals(args) -> None:
             def arrive(index: int, rng=rng, vocab=vocab, engine=engine) -> None:
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
                 params = SamplingParams(
-                    temperature=0, max_tokens=rng.randint(50, 300), ignore_eos=True
+                    temperature=0,
+                    max_tokens=rng.randint(50, 300),
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
                 )
                 engine.add_request(f"a{index}", {"prompt_token_ids": prompt}, params)
 

@@ -414,7 +414,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens - n, batch.pending)
         if self.waiting and not out.preempted:
             num_running = len(self.running)
-            slots = batch.num_running - len(batch.pending)  # a row holds one slot
+            slots = len(batch.requests) + len(batch.retired)  # a row holds one slot
             slots += sum(_sequence_slots(r) for r in batch.pending)
             self._admit_waiting(out, budget, slots, batch.pending)
             if self._steady is batch:  # no held request was preempted

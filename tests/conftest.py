@@ -8,7 +8,30 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+_JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_OWNED_CACHE = pytest.StashKey[str]()  # the directory this process made (and removes)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One persistent compilation cache per run, shared by its workers and the subprocesses
+    they start: test modules and processes compile many identical steps (the same tiny models
+    and buckets), and each compiles them anew otherwise (`jax.clear_caches` below). Fresh each
+    run, so every step still compiles once; a developer's own cache directory wins."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or _JIT_CACHE in os.environ:
+        return  # a worker inherits the controller's directory
+    os.environ[_JIT_CACHE] = tempfile.mkdtemp(prefix="pagedjax-jit-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # tiny models compile fast
+    config.stash[_OWNED_CACHE] = os.environ[_JIT_CACHE]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (path := config.stash.get(_OWNED_CACHE, None)) is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

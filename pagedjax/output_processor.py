@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from pagedjax.core.engine_request import RequestStatus, request_finished
 from pagedjax.core.sched_output import CoreOutput, DecodeOutputs, EngineCoreOutput
@@ -83,6 +84,9 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return request_finished(self.params.n, [s.status for s in self.sequences])
+
+
+_UNKNOWN = object()  # a row `_find_decode_rows` has not looked up yet (equal to no sink)
 
 
 @dataclass
@@ -213,7 +217,7 @@ class OutputProcessor:
         go the general way."""
         rows = self._decode_rows
         if rows is None or rows.request_ids != out.request_ids or rows.indices != out.indices:
-            rows = self._decode_rows = self._find_decode_rows(out.request_ids, out.indices)
+            rows = self._decode_rows = self._find_decode_rows(out.request_ids, out.indices, rows)
         tokens, skip = out.token_ids, out.skip
         if rows.all_sinks and not skip:
             any(map(list.append, rows.sinks, tokens))
@@ -228,23 +232,39 @@ class OutputProcessor:
                 one = EngineCoreOutput(out.request_ids[row], index, [token], out.logprobs, row)
                 self._process_one(one, now, touched, stopped)
 
-    def _find_decode_rows(self, request_ids: list[str], indices: list[int]) -> _DecodeRows:
+    def _find_decode_rows(
+        self, request_ids: list[str], indices: list[int], last: _DecodeRows | None = None
+    ) -> _DecodeRows:
         """Each row's token list, where its sequence needs nothing but its tokens until it
-        ends: FINAL_ONLY, no logprobs, no stop strings, its first token out."""
-        sinks: list[list[int] | None] = []
-        for request_id, index in zip(request_ids, indices, strict=True):
-            state, sink = self.requests.get(request_id), None
-            if (
-                state is not None
-                and state.first_token_time is not None
-                and index < len(state.sequences)
-                and state.params.output_kind is RequestOutputKind.FINAL_ONLY
-                and state.params.logprobs is None
-                and state.sequences[index].status is None
-            ):
-                sink = state.sequences[index].detokenizer.token_sink
-            sinks.append(sink)
+        ends: FINAL_ONLY, no logprobs, no stop strings, its first token out. The rows `last`
+        had keep what they had there: a batch's rows change by a few a step, so only those
+        are looked up."""
+        keys = list(zip(request_ids, indices, strict=True))
+        known = {}
+        if last is not None:
+            known = dict(
+                zip(zip(last.request_ids, last.indices, strict=True), last.sinks, strict=True)
+            )
+        sinks = list(map(known.get, keys, repeat(_UNKNOWN)))
+        row = -1
+        for _ in range(sinks.count(_UNKNOWN)):
+            row = sinks.index(_UNKNOWN, row + 1)
+            sinks[row] = self._sink_of(*keys[row])
         return _DecodeRows(request_ids, indices, sinks, None not in sinks)
+
+    def _sink_of(self, request_id: str, index: int) -> list[int] | None:
+        """A row's token list (`_find_decode_rows`), or None."""
+        state = self.requests.get(request_id)
+        if (
+            state is not None
+            and state.first_token_time is not None
+            and index < len(state.sequences)
+            and state.params.output_kind is RequestOutputKind.FINAL_ONLY
+            and state.params.logprobs is None
+            and state.sequences[index].status is None
+        ):
+            return state.sequences[index].detokenizer.token_sink
+        return None
 
     def _add_prompt_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         entries, prompt = state.prompt_logprobs, state.prompt_token_ids

@@ -429,12 +429,11 @@ def build_sampling_metadata(
     )
 
 
-def needs_penalties(params: list[SamplingParams]) -> bool:
-    return any(
-        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        for p in params
-    )
+def penalizes(p: SamplingParams) -> bool:
+    """Whether a row with these params reads its histories (any of the three penalties)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def needs_truncation(params: list[SamplingParams]) -> bool:
-    return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
+def truncates(p: SamplingParams) -> bool:
+    """Whether a row with these params samples from a truncated distribution."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)

@@ -15,7 +15,7 @@ from pagedjax.engine import LLMEngine
 from pagedjax.errors import DuplicateRequestIdError, InvalidRequestError, RequestTooLongError
 from pagedjax.sampler import sample
 from pagedjax.sampling_params import RequestOutputKind, SamplingParams
-from pagedjax.worker.model_runner import BatchSampling
+from pagedjax.worker.batch_sampling import BatchSampling, padding_row
 from tests.conftest import build_tiny_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -637,34 +637,65 @@ def test_invalid_engine_config_names_the_option(options, message):
         EngineConfig(**options)
 
 
-def test_a_steady_batch_reuses_its_sampling_arrays_and_they_stay_right(tiny):
-    """The runner rebuilds only the draw counters while the batch's requests stay the same;
-    every step's arrays equal a full build's."""
+@pytest.mark.parametrize("steady", [False, True])
+def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
+    """General steps reuse the last step's sampling arrays while its rows stay the same; a
+    steady batch's arrays, edited row by row as its rows finish and join, are sent again only
+    then; every step's arrays (draw counters too) and flags equal a full build's."""
     import dataclasses
 
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, max_num_batched_tokens=128)
+    engine.engine_core.scheduler.steady_decode = steady
     runner = engine.engine_core.worker.runner
-    built, reused = runner._sampling_metadata, []
+    general, decode = runner._sampling_metadata, runner._decode_sampling
+    reused, edited = [], []
+    padding = padding_row()
 
-    def checked(rows, batch, steps, token_mask=None, draft_ids=None, plain=None):
-        before = runner._last_sampling
-        if plain:  # a steady step's rows: as the scheduler found them
-            assert token_mask is None and draft_ids is None
-            assert not any(r.extra_bias for r in rows)
-        meta = built(rows, batch, steps, token_mask, draft_ids, plain)
-        reused.append(before is not None and runner._last_sampling is before)
-        full = runner.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
-        assert batch == BatchSampling.of(batch.key, [r.params for r in rows])  # flags too
+    def check(rows, r_pad, batch, meta, token_mask=None, draft_ids=None, counters=True):
+        full = runner.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
+        assert batch.flags() == BatchSampling.of([], [r.params for r in rows]).flags()
         for field in dataclasses.fields(full):
+            if field.name == "steps" and not counters:
+                continue  # a kept row's counter advances past its forming step's row's
             want, got = getattr(full, field.name), getattr(meta, field.name)
-            assert (want is None and got is None) or np.array_equal(want, got), field.name
+            if want is None or got is None:
+                assert want is None and got is None, field.name
+                continue
+            got = np.asarray(got)
+            if want.ndim == 2 and got.shape[1] > want.shape[1]:  # a wider row left: padding
+                fill = getattr(padding, field.name).flat[0]
+                assert (got[:, want.shape[1] :] == fill).all(), field.name
+                got = got[:, : want.shape[1]]
+            assert np.array_equal(want, got), field.name
+
+    def checked(rows, batch, steps, token_mask=None, draft_ids=None):
+        before = runner._last_sampling
+        meta = general(rows, batch, steps, token_mask, draft_ids)
+        reused.append(before is not None and runner._last_sampling is before)
+        # Beside a steady batch, its rows are the forming step's, their counters advanced.
+        beside = runner._decode_batch is not None
+        check(rows, batch.key[0], batch, meta, token_mask, draft_ids, counters=not beside)
         return meta
 
-    runner._sampling_metadata = checked
+    def checked_decode(batch, steps):
+        edited.append(batch.host_sampling is not None and batch.device_sampling is None)
+        meta = decode(batch, steps)
+        check(batch.rows, len(batch.counters), batch.sampling, meta, counters=False)
+        return meta
+
+    runner._sampling_metadata, runner._decode_sampling = checked, checked_decode
     params = [
         SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(max_tokens=12, min_tokens=5, temperature=0.7, seed=2),
-        SamplingParams(max_tokens=12, **GREEDY),
+        SamplingParams(max_tokens=9, min_tokens=5, temperature=0.7, seed=2),
+        SamplingParams(max_tokens=24, **GREEDY),  # runs on alone: the flags change
+        SamplingParams(max_tokens=6, temperature=0.9, min_p=0.1, seed=3),
+        SamplingParams(max_tokens=10, logit_bias={5: 0.5, 7: -1.0, 9: 0.3}, **GREEDY),
+        SamplingParams(max_tokens=8, **GREEDY),
     ]
-    run(engine, make_prompts(3, seed=31), params)
-    assert any(reused) and not all(reused)
+    outputs = run(engine, make_prompts(6, seed=31, lo=3, hi=10), params, [0, 0, 0, 2, 6, 9])
+    # A failed check fails its step, whose requests the engine finishes with an error.
+    assert {c.finish_reason for out in outputs for c in out.outputs} <= {"length", "stop"}
+    if steady:
+        assert any(edited)
+    else:
+        assert any(reused) and not all(reused)

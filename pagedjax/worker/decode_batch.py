@@ -4,18 +4,21 @@ persistent batch): what the step that formed it prepared and what its later step
 Its steps send only each row's token, position and changed block table entries, and the
 rows removed and joined (`DecodeStep`); the rest (which persistent table row each request has, the
 logits rows, the sampling arrays already on the device) is this, and the draw counters
-advance by one a step.
+advance by one a step. Rows that leave or join edit these arrays where they are (one
+transfer of the sampling arrays then), not a build over every row.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from pagedjax.core.sched_output import SampleRow
+from pagedjax.sampler import SamplingMetadata
+from pagedjax.worker.batch_sampling import BatchSampling, RowKind
 
 
 @dataclass
@@ -28,9 +31,14 @@ class DecodeBatch:
     ends: np.ndarray  # [n] each row's query end: i + 1
     logits_rows: np.ndarray  # [R] int32 each sample row's logits row: i (0 past n)
     counters: np.ndarray  # [R] int32 each row's draw counter (SamplingMetadata.steps)
-    sampling: Any  # the rows' BatchSampling
-    rows: list[SampleRow]  # the forming step's rows: their params and seeds stay
+    sampling: BatchSampling  # the rows' sampler flags
+    kinds: Counter[RowKind]  # how many rows of each kind (the flags, edited row by row)
+    rows: list[SampleRow]  # each row's sample row: its params and seed stay
     decode_only: bool | None  # the step's static attention flag
+    # [R] the rows' sampling arrays without draw counters, on the host (None: not built
+    # yet) and on the device (None: not sent since they changed).
+    host_sampling: SamplingMetadata | None = None
+    device_sampling: SamplingMetadata | None = None
 
     @staticmethod
     def of(
@@ -39,9 +47,11 @@ class DecodeBatch:
         table_rows: np.ndarray,
         num_blocks: int,
         counters: np.ndarray,
-        sampling: Any,
+        sampling: BatchSampling,
+        kinds: Counter[RowKind],
         rows: list[SampleRow],
         decode_only: bool | None,
+        host_sampling: SamplingMetadata | None = None,
     ) -> DecodeBatch:
         n = len(rows)
         logits_rows = np.zeros(len(counters), np.int32)
@@ -49,15 +59,17 @@ class DecodeBatch:
         owner = np.arange(n)
         return DecodeBatch(
             batch_id, request_ids, table_rows, num_blocks, owner, owner + 1, logits_rows,
-            counters, sampling, rows, decode_only,
+            counters, sampling, kinds, rows, decode_only, host_sampling,
         )  # fmt: skip
 
-    def without(self, removed: Sequence[int]) -> tuple[list, list, np.ndarray, np.ndarray]:
-        """The request ids, sample rows, table rows and draw counters left once `removed`
-        rows are taken out, each numbered after the removals before it."""
-        ids, rows = list(self.request_ids), list(self.rows)
-        table_rows, counters = self.table_rows, self.counters[: len(rows)]
+    def without(self, removed: Sequence[int]) -> tuple[list, list, list[SampleRow], np.ndarray]:
+        """The request ids and sample rows left once `removed` rows are taken out, each
+        numbered after the removals before it; the sample rows taken out; the rows kept (their
+        old numbers, in order)."""
+        ids, rows, gone = list(self.request_ids), list(self.rows), []
+        keep = np.arange(len(rows))
         for row in removed:
-            del ids[row], rows[row]
-            table_rows, counters = np.delete(table_rows, row), np.delete(counters, row)
-        return ids, rows, table_rows, counters
+            del ids[row]
+            gone.append(rows.pop(row))
+            keep = np.delete(keep, row)
+        return ids, rows, gone, keep

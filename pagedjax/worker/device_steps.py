@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -276,6 +277,13 @@ def sample_step(
         all_greedy=all_greedy,
     )
     return out, fixed_rows(out.token_ids, stride, size)
+
+
+@partial(jax.jit, static_argnames=("layout",))
+def unpack_bits(packed: jax.Array, layout: StepLayout) -> Any:
+    """`step_inputs.unpack` as a call of its own: arrays `pack_bits` sent in one transfer, for
+    calls that take them apart (the sampler's)."""
+    return unpack(packed, layout)
 
 
 @partial(jax.jit, static_argnames=("stride", "size"))

@@ -53,14 +53,19 @@ from pagedjax.sampler import (
     SamplingMetadata,
     TokenLogprobs,
     build_sampling_metadata,
-    needs_penalties,
-    needs_truncation,
     prompt_logprobs,
 )
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.batch_sampling import BatchSampling, edit_rows, row_kinds
 from pagedjax.worker.block_table import BlockTables
 from pagedjax.worker.decode_batch import DecodeBatch
-from pagedjax.worker.device_steps import decode_steps, forward_step, sample_step, set_rows
+from pagedjax.worker.device_steps import (
+    decode_steps,
+    forward_step,
+    sample_step,
+    set_rows,
+    unpack_bits,
+)
 from pagedjax.worker.draft_model import (
     ChainInputs,
     DraftModel,
@@ -73,7 +78,7 @@ from pagedjax.worker.draft_model import (
 )
 from pagedjax.worker.host_kv import HostKV
 from pagedjax.worker.lora_slots import LoRASlots
-from pagedjax.worker.step_inputs import pack
+from pagedjax.worker.step_inputs import pack, pack_bits
 
 logger = logging.getLogger(__name__)
 
@@ -213,38 +218,6 @@ def _draw_counters(rows: Sequence[SampleRow], num_rows: int) -> np.ndarray:
     counters = np.zeros(num_rows, np.int32)
     counters[: len(rows)] = [r.num_tokens - r.num_prompt_tokens for r in rows]
     return counters
-
-
-@dataclass(frozen=True)
-class BatchSampling:
-    """What a step's sample rows ask of the sampler, from their params: worked out once per
-    batch and kept while the batch is steady (`key`: r_pad, then each row's params and seed)."""
-
-    key: list
-    use_penalties: bool
-    use_truncation: bool
-    all_greedy: bool
-    num_logprobs: int | None
-
-    @staticmethod
-    def of(key: list, params: list[SamplingParams]) -> BatchSampling:
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return BatchSampling(
-            key,
-            needs_penalties(params),
-            needs_truncation(params),
-            all(p.greedy for p in params),
-            max(wanted) if wanted else None,
-        )
-
-    def flags(self) -> dict:
-        """The sampler's keyword arguments."""
-        return dict(
-            use_penalties=self.use_penalties,
-            use_truncation=self.use_truncation,
-            all_greedy=self.all_greedy,
-            num_logprobs=self.num_logprobs,
-        )
 
 
 def _logits_rows(
@@ -433,9 +406,15 @@ class ModelRunner:
         return self._pool_sharding
 
     def _put(self, tree: Any) -> Any:
-        """Arrays the step reads, on its devices (replicated over a group). The sampler always
-        gets its arrays this way: arguments placed alike are one compiled variant."""
+        """Arrays the step reads, on its devices (replicated over a group)."""
         return jax.device_put(tree, self._step_sharding)
+
+    def _put_sampling(self, meta: SamplingMetadata) -> SamplingMetadata:
+        """Sampling arrays on the step's devices in one transfer (their bits packed; a call
+        takes them apart there): each array put alone is a transfer of its own. The sampler
+        always gets its arrays this way: arguments placed alike are one compiled variant."""
+        packed, layout = pack_bits(meta)
+        return unpack_bits(self._put(packed), layout)
 
     def _forward(
         self,
@@ -773,8 +752,9 @@ class ModelRunner:
         request_ids = [s.request_id for s in seqs]
         table_rows, num_blocks = self.block_tables.rows_of(request_ids)
         counters = _draw_counters(rows, self._rows_bucket(len(rows)))
+        kinds = row_kinds(r.params for r in rows)
         return DecodeBatch.of(
-            batch_id, request_ids, table_rows, num_blocks, counters, self._last_batch,
+            batch_id, request_ids, table_rows, num_blocks, counters, self._last_batch, kinds,
             list(rows), self._decode_only(seqs),
         )  # fmt: skip
 
@@ -791,22 +771,29 @@ class ModelRunner:
         self, batch: DecodeBatch, removed: Sequence[int], added: Sequence[tuple[Any, SampleRow]]
     ) -> DecodeBatch:
         """The kept batch without the `removed` rows (finished) and with the `added` ones
-        last (joined): its layout and sampling arrays for the rows it has now."""
-        request_ids, rows, table_rows, counters = batch.without(removed)
+        last (joined). Its arrays are edited, costing the rows named (the sampling arrays
+        are built anew only when a joined row's lists are wider or narrower)."""
+        request_ids, rows, gone, keep = batch.without(removed)
+        table_rows, counters = batch.table_rows[keep], batch.counters[keep]
+        num_blocks, kinds = batch.num_blocks, batch.kinds - row_kinds(r.params for r in gone)
+        new_rows = [row for _, row in added]
         if added:
             new_ids = [request_id for request_id, _ in added]
-            new_rows = [row for _, row in added]
             request_ids, rows = request_ids + new_ids, rows + new_rows
-            table_rows = np.concatenate([table_rows, self.block_tables.rows_of(new_ids)[0]])
+            new_table_rows, most = self.block_tables.rows_of(new_ids)
+            table_rows = np.concatenate([table_rows, new_table_rows])
             counters = np.concatenate([counters, _draw_counters(new_rows, len(new_rows))])
-        _, num_blocks = self.block_tables.rows_of(request_ids)
+            num_blocks, kinds = max(num_blocks, most), kinds + row_kinds(r.params for r in new_rows)
         r_pad = self._rows_bucket(len(rows))
         padded = np.zeros(r_pad, np.int32)
         padded[: len(rows)] = counters
-        sampling = self._batch_sampling(rows, r_pad)
+        host = None  # a full build when first needed
+        if batch.host_sampling is not None:
+            joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
+            host = edit_rows(batch.host_sampling, keep, joined, r_pad)
         return DecodeBatch.of(
-            batch.batch_id, request_ids, table_rows, num_blocks, padded, sampling, rows,
-            batch.decode_only,
+            batch.batch_id, request_ids, table_rows, num_blocks, padded,
+            BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host,
         )  # fmt: skip
 
     def _update_batch(self, decode: DecodeStep) -> DecodeBatch:
@@ -861,13 +848,23 @@ class ModelRunner:
             steps=batch.counters,
         )
         sampling = batch.sampling
-        meta = self._sampling_metadata(batch.rows, sampling, steps, plain=True)  # kept
+        meta = self._decode_sampling(batch, steps)
         layout = self._placeholder_layout
         out, placeholders = sample_step(logits, meta, self.sampling, **sampling.flags(), **layout)
         logprobs = out.logprobs if sampling.num_logprobs is not None else None
         handle = StepHandle(out.token_ids, out.finite, logprobs, None, len(batch.rows), 0)
         handle.placeholders = placeholders
         return handle
+
+    def _decode_sampling(self, batch: DecodeBatch, steps: jax.Array) -> SamplingMetadata:
+        """The kept batch's sampling arrays on the device, with `steps` as their draw
+        counters: built once, sent again only after rows left or joined."""
+        if batch.device_sampling is None:
+            if batch.host_sampling is None:
+                built = self.build_sampling_metadata(batch.rows, len(batch.counters))
+                batch.host_sampling = replace(built, steps=None)
+            batch.device_sampling = self._put_sampling(batch.host_sampling)
+        return replace(batch.device_sampling, steps=steps)
 
     def _dispatch_one(
         self,
@@ -1021,7 +1018,7 @@ class ModelRunner:
             t_pad, width
         )
         num_rows = min(t_pad, self.max_seqs_bucket)
-        meta = self._put(_greedy_metadata(num_rows))
+        meta = self._put_sampling(_greedy_metadata(num_rows))
         limits, steps = np.zeros(t_pad, np.int32), np.zeros(num_rows, np.int32)
         inputs = (params, tokens, sources, previous, positions, metadata, copies, limits, steps)
         return inputs, meta
@@ -1117,20 +1114,18 @@ class ModelRunner:
         steps: jax.Array | None,
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
-        plain: bool | None = None,
     ) -> SamplingMetadata:
         """The rows' sampling arrays, on the step's devices, with `steps` as their draw
         counters (they travel with the forward's inputs: None for `decode_steps`, which
-        unpacks them itself). A steady decode batch (the same requests in the same order,
-        with neither per-step biases, penalties, masks nor drafts: `plain`, worked out when
-        None) keeps the last step's arrays there and sends nothing more."""
-        if plain is None:
-            plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
+        unpacks them itself). The same requests in the same order as the last step, with
+        neither per-step biases, penalties, masks nor drafts (`plain`), keep the last step's
+        arrays there and send nothing more."""
+        plain = token_mask is None and draft_ids is None and not any(r.extra_bias for r in rows)
         last = self._last_sampling
         if plain and last is not None and last[0] is batch:
             return replace(last[1], steps=steps)
         built = self.build_sampling_metadata(rows, batch.key[0], token_mask, draft_ids)
-        meta = self._put(replace(built, steps=None))
+        meta = self._put_sampling(replace(built, steps=None))
         # Penalties read the histories, which change every step: those are always built.
         reusable = plain and not batch.use_penalties
         self._last_sampling = (batch, meta) if reusable else None
@@ -1280,7 +1275,7 @@ class ModelRunner:
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
             # Its draw counters come from the forward, as a step's do: one compiled variant.
-            meta = replace(self._put(_greedy_metadata(s_pad)), steps=steps)
+            meta = replace(self._put_sampling(_greedy_metadata(s_pad)), steps=steps)
             greedy = self._GREEDY_STEPS
             sample_step(logits, meta, self.sampling, **greedy, **self._placeholder_layout)
         jax.block_until_ready(self.kv_cache)

@@ -5,7 +5,8 @@ on a GPU a staging copy each. The forward's inputs (token ids, placeholder sourc
 the attention metadata, logits rows, copy-on-write pairs) are all int32, so the runner packs
 them into one flat array on the host and the step unpacks it on the device with static slices.
 `StepLayout` (the inputs' tree and shapes) is a static argument: it changes only with the
-bucket, so packing adds no compilation.
+bucket, so packing adds no compilation. `pack_bits` packs 32-bit arrays of other types (the
+sampling arrays) as their bits, which `unpack` casts back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class StepLayout:
 
     treedef: Any  # jax.tree_util.PyTreeDef of the inputs
     shapes: tuple[tuple[int, ...], ...]  # each leaf's shape, in tree order
+    dtypes: tuple[str, ...] = ()  # each leaf's type (`pack_bits`; empty: all int32)
 
 
 def pack(inputs: Any) -> tuple[np.ndarray, StepLayout]:
@@ -34,11 +36,27 @@ def pack(inputs: Any) -> tuple[np.ndarray, StepLayout]:
     return packed, StepLayout(treedef, tuple(a.shape for a in arrays))
 
 
+def pack_bits(inputs: Any) -> tuple[np.ndarray, StepLayout]:
+    """A tree of 32-bit host arrays of any type -> (one flat int32 array of their bits, its
+    layout)."""
+    leaves, treedef = jax.tree_util.tree_flatten(inputs)
+    arrays = [np.ascontiguousarray(leaf) for leaf in leaves]
+    if any(a.dtype.itemsize != 4 for a in arrays):
+        raise ValueError(f"pack_bits packs 32-bit arrays, not {[a.dtype for a in arrays]}")
+    packed = np.concatenate([a.ravel().view(np.int32) for a in arrays])
+    layout = StepLayout(treedef, tuple(a.shape for a in arrays), tuple(a.dtype.str for a in arrays))
+    return packed, layout
+
+
 def unpack(packed: jax.Array, layout: StepLayout) -> Any:
-    """`pack`'s inverse, on the device: static slices of the one transferred array."""
+    """`pack`'s (or `pack_bits`') inverse, on the device: static slices of the one
+    transferred array."""
     leaves, start = [], 0
-    for shape in layout.shapes:
+    for i, shape in enumerate(layout.shapes):
         size = prod(shape)
-        leaves.append(packed[start : start + size].reshape(shape))
+        leaf = packed[start : start + size].reshape(shape)
+        if layout.dtypes and layout.dtypes[i] != leaf.dtype.str:
+            leaf = jax.lax.bitcast_convert_type(leaf, np.dtype(layout.dtypes[i]))
+        leaves.append(leaf)
         start += size
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)

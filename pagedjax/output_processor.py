@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -106,7 +107,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.token_text = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
-        self._decode_rows: _DecodeRows | None = None  # forgotten when `requests` changes
+        self._decode_rows: _DecodeRows | None = None
+        # Requests added, aborted or finished since: their rows are looked up again (an id
+        # may come back as a new request).
+        self._stale: set[str] = set()
 
     def add_request(
         self,
@@ -120,7 +124,17 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
-        self._decode_rows = None
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Its rows' lists are looked up again at the next steady step."""
+        rows = self._decode_rows
+        if rows is None:
+            return
+        if len(self._stale) >= len(rows.sinks):  # more changed than kept: look all up again
+            self._decode_rows, self._stale = None, set()
+        else:
+            self._stale.add(request_id)
 
     def _sequence(self, state: RequestState, index: int) -> _Sequence:
         """The index-th completion; the engine core forks children in index order."""
@@ -143,7 +157,7 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        self._decode_rows = None
+        self._forget(request_id)
         now = time.monotonic()
         for seq in state.sequences:
             if seq.status is None:
@@ -175,7 +189,7 @@ class OutputProcessor:
                 outputs.append(self._make_output(state, finished))
             if finished:
                 del requests[request_id]
-                self._decode_rows = None
+                self._forget(request_id)
         return outputs, stopped
 
     def _process_one(
@@ -215,9 +229,15 @@ class OutputProcessor:
         """A steady decode step's rows: the tokens of those that need nothing more go
         straight to their detokenizers (no Python loop while no row is skipped); the rest
         go the general way."""
-        rows = self._decode_rows
-        if rows is None or rows.request_ids != out.request_ids or rows.indices != out.indices:
-            rows = self._decode_rows = self._find_decode_rows(out.request_ids, out.indices, rows)
+        rows, stale = self._decode_rows, self._stale
+        if (
+            rows is None
+            or stale
+            or rows.request_ids != out.request_ids
+            or rows.indices != out.indices
+        ):
+            rows = self._find_decode_rows(out.request_ids, out.indices, rows, stale)
+            self._decode_rows, self._stale = rows, set()
         tokens, skip = out.token_ids, out.skip
         if rows.all_sinks and not skip:
             any(map(list.append, rows.sinks, tokens))
@@ -233,12 +253,16 @@ class OutputProcessor:
                 self._process_one(one, now, touched, stopped)
 
     def _find_decode_rows(
-        self, request_ids: list[str], indices: list[int], last: _DecodeRows | None = None
+        self,
+        request_ids: list[str],
+        indices: list[int],
+        last: _DecodeRows | None = None,
+        stale: AbstractSet[str] = frozenset(),
     ) -> _DecodeRows:
         """Each row's token list, where its sequence needs nothing but its tokens until it
         ends: FINAL_ONLY, no logprobs, no stop strings, its first token out. The rows `last`
-        had keep what they had there: a batch's rows change by a few a step, so only those
-        are looked up."""
+        had keep what they had there, but for the `stale` requests': a batch's rows change
+        by a few a step, so only those are looked up."""
         keys = list(zip(request_ids, indices, strict=True))
         known = {}
         if last is not None:
@@ -246,6 +270,10 @@ class OutputProcessor:
                 zip(zip(last.request_ids, last.indices, strict=True), last.sinks, strict=True)
             )
         sinks = list(map(known.get, keys, repeat(_UNKNOWN)))
+        if stale:
+            for row, request_id in enumerate(request_ids):
+                if request_id in stale:
+                    sinks[row] = _UNKNOWN
         row = -1
         for _ in range(sinks.count(_UNKNOWN)):
             row = sinks.index(_UNKNOWN, row + 1)

@@ -167,20 +167,28 @@ def abort(request_id: str):
 def test_steady_steps_are_the_general_steps(async_scheduling, num_blocks, max_seqs):
     """The same requests, sampled tokens and events, scheduled with steady steps and
     without: every step hands the runner the same tokens, positions and tables, and the
-    requests, the pool and the outputs' positions are the same after each."""
+    requests, the pool and the outputs' positions are the same after each; at the end, every
+    request's tokens (an aborted one's too: a sample after its end is not its)."""
+    made = []
 
     def events():
+        def tracked(*args, **options) -> EngineRequest:
+            made[-1].append(request(*args, **options))
+            return made[-1][-1]
+
+        made.append([])
         return {
-            0: requests_arrive(*(request(i, 5 + 3 * i, 30 - 3 * i) for i in range(4))),
-            4: requests_arrive(request(7, 7, 9)),  # into a steady batch
-            9: requests_arrive(request(4, 6, 20), request(5, 9, 12, logprobs=2)),
+            0: requests_arrive(*(tracked(i, 5 + 3 * i, 30 - 3 * i) for i in range(4))),
+            4: requests_arrive(tracked(7, 7, 9)),  # into a steady batch
+            9: requests_arrive(tracked(4, 6, 20), tracked(5, 9, 12, logprobs=2)),
             17: abort("r1"),
-            22: requests_arrive(request(8, 5, 6, priority=-1)),  # admitted before the rows
-            30: requests_arrive(request(6, 4, 25, n=2, temperature=0.8)),
+            22: requests_arrive(tracked(8, 5, 6, priority=-1)),  # admitted before the rows
+            30: requests_arrive(tracked(6, 4, 25, n=2, temperature=0.8)),
         }
 
     general = drive(False, async_scheduling, num_blocks, events(), max_seqs)
     steady = drive(True, async_scheduling, num_blocks, events(), max_seqs)
+    assert [r.all_token_ids for r in made[1]] == [r.all_token_ids for r in made[0]]
     assert steady[0] == general[0]
     assert steady[2] == general[2]
     assert general[1] == 0 and steady[1] >= len(steady[0]) // 4  # many steps are steady
@@ -385,9 +393,10 @@ def test_rows_filed_out_of_order_take_their_blocks_in_row_order():
         assert firsts == sorted(firsts)
 
 
-def test_the_output_processor_forgets_its_rows_when_its_requests_change():
+def test_the_output_processor_looks_up_again_only_the_rows_whose_requests_changed():
     """A steady step's rows are found once and reused while the requests stay the same; a
-    request aborted and added again under its id gets only its own tokens."""
+    request aborted and added again under its id gets only its own tokens, and the other
+    rows keep what was found for them."""
     from pagedjax.core.sched_output import EngineCoreOutput
     from pagedjax.output_processor import OutputProcessor
     from tests.conftest import build_tiny_tokenizer
@@ -411,6 +420,8 @@ def test_the_output_processor_forgets_its_rows_when_its_requests_change():
     processor.abort_request("b")
     start("b", 30)  # the same id, a new request
     steady_step([13, 31])
+    assert processor._decode_rows.sinks[0] is rows.sinks[0]  # a's, not looked up again
+    assert processor._decode_rows.sinks[1] is not rows.sinks[1]
     out, _ = processor.process_outputs(
         [EngineCoreOutput(i, 0, [99], status=RequestStatus.FINISHED_LENGTH) for i in ids]
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kernels_pallas.metadata import AttentionMetadata
 from pagedjax.sampling_params import SamplingParams
@@ -34,6 +35,31 @@ def test_pack_and_unpack_give_back_every_array():
     for got_leaf, want_leaf in zip(got_leaves, want_leaves, strict=True):
         np.testing.assert_array_equal(np.asarray(got_leaf), want_leaf)
         assert got_leaf.shape == np.shape(want_leaf)
+
+
+def test_pack_bits_sends_32_bit_arrays_of_any_type_and_gives_back_their_bits():
+    """The sampling arrays' way to the device (`ModelRunner._put_sampling`): float32 (with
+    -0.0, inf and a NaN), uint32 and int32 leaves, 1-D and 2-D, and None, bit for bit."""
+    from pagedjax.sampler import SamplingMetadata, build_sampling_metadata
+    from pagedjax.worker.device_steps import unpack_bits
+    from pagedjax.worker.step_inputs import pack_bits
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, logit_bias={3: -1.5, 9: 2.0})] * 3
+    meta = build_sampling_metadata(params, [[1, 2]] * 3, [1] * 3, [2**32 - 1, 0, 7], num_rows=4)
+    odd = np.array([-0.0, np.inf, np.nan, 1e-45], np.float32)
+    inputs = (meta, odd, None)
+    packed, layout = pack_bits(inputs)
+    assert packed.dtype == np.int32 and packed.ndim == 1
+    got = unpack_bits(jnp.asarray(packed), layout)
+    assert isinstance(got[0], SamplingMetadata) and got[2] is None
+    want_leaves, want_tree = jax.tree.flatten(inputs)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    assert got_tree == want_tree
+    for got_leaf, want_leaf in zip(got_leaves, want_leaves, strict=True):
+        assert np.asarray(got_leaf).dtype == want_leaf.dtype
+        assert np.asarray(got_leaf).tobytes() == want_leaf.tobytes()
+    with pytest.raises(ValueError, match="32-bit"):
+        pack_bits((np.zeros(2, np.int64),))
 
 
 def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(tiny, monkeypatch):

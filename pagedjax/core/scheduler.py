@@ -31,9 +31,10 @@ from __future__ import annotations
 import bisect
 import logging
 import operator
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -178,6 +179,9 @@ class Scheduler:
         self.placeholder_stride = placeholder_stride
         self._steady: SteadyBatch | None = None  # dropped whenever `running` changes
         self.num_finished = 0  # sequences finished (a steady step's update checks it)
+        # The latest of them, newest last: a steady step's update finds its rows finished
+        # since it was scheduled among these (`_gone_rows`), not by a walk over its rows.
+        self._recently_finished: deque[EngineRequest] = deque(maxlen=max_num_seqs)
         self._num_batches = 0  # steady batches formed (their ids)
         self.steady_decode = steady_decode
 
@@ -842,20 +846,17 @@ class Scheduler:
         if hits:  # a row's token is some row's stop token: `_check_stop` decides
             ended.update(row for row, token in enumerate(tokens) if token in hits)
         finite = result.finite[:num_rows].tolist()
-        all_finite = all(finite)
-        if not all_finite:
-            ended.update(row for row, ok in enumerate(finite) if not ok)
-        gone = set()
-        if self.num_finished != steady.num_finished:  # some finished since: which
-            gone = {row for row, request in enumerate(rows) if request.status.finished}
-            ended -= gone
-        if gone or not all_finite:
-            for row, (request, ok) in enumerate(zip(rows, finite, strict=True)):
-                if ok and row not in gone:
-                    request.all_token_ids[positions[row]] = tokens[row]
-        else:  # each token in place of its placeholder
-            all_tokens = map(operator.attrgetter("all_token_ids"), rows)
-            any(map(list.__setitem__, all_tokens, positions, tokens))
+        nan = set() if all(finite) else {row for row, ok in enumerate(finite) if not ok}
+        ended |= nan
+        gone = self._gone_rows(rows, steady.num_finished)
+        ended -= gone
+        # Each token in place of its placeholder; those of rows gone or NaN go nowhere.
+        targets, where = list(map(operator.attrgetter("all_token_ids"), rows)), positions
+        if gone or nan:
+            scratch, where = [0], list(positions)
+            for row in gone | nan:
+                targets[row], where[row] = scratch, -1
+        any(map(list.__setitem__, targets, where, tokens))
         self.num_generated_tokens += num_rows - len(ended) - len(gone)
         outputs: list[CoreOutput] = [
             DecodeOutputs(steady.group_ids, steady.indices, tokens, result.logprobs, ended | gone)
@@ -864,6 +865,15 @@ class Scheduler:
             at = (row, positions[row], tokens[row], finite[row])
             outputs.append(self._append_token(rows[row], *at, result))
         return outputs
+
+    def _gone_rows(self, rows: list[EngineRequest], num_finished: int) -> set[int]:
+        """The rows of a step's `rows` that finished since it was scheduled, when
+        `num_finished` sequences had."""
+        count = self.num_finished - num_finished
+        if count > len(self._recently_finished):  # more than kept: walk the rows
+            return {row for row, request in enumerate(rows) if request.status.finished}
+        since = islice(reversed(self._recently_finished), count)
+        return {rows.index(request) for request in since if request in rows}
 
     def _append_verified(
         self, request: EngineRequest, first_row: int, k: int, result: ModelRunnerOutput
@@ -1053,6 +1063,7 @@ class Scheduler:
             self.kv.free(request)
         request.status = status
         self.num_finished += 1
+        self._recently_finished.append(request)
         group = request.group
         if request_finished(group[0].params.n, [s.status for s in group]):
             self.requests.pop(group[0].group_id, None)

@@ -640,15 +640,20 @@ def test_invalid_engine_config_names_the_option(options, message):
 @pytest.mark.parametrize("steady", [False, True])
 def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
     """General steps reuse the last step's sampling arrays while its rows stay the same; a
-    steady batch's arrays, edited row by row as its rows finish and join, are sent again only
-    then; every step's arrays (draw counters too) and flags equal a full build's."""
+    steady batch's arrays, edited row by row as its rows finish and join (and with the rows
+    beside it edited in), are sent again only then; every step's arrays (draw counters too)
+    and flags equal a full build's."""
     import dataclasses
 
     engine = make_engine(tiny, max_num_batched_tokens=128)
     engine.engine_core.scheduler.steady_decode = steady
     runner = engine.engine_core.worker.runner
-    general, decode = runner._sampling_metadata, runner._decode_sampling
-    reused, edited = [], []
+    general, decode, beside_sampling = (
+        runner._sampling_metadata,
+        runner._decode_sampling,
+        runner._beside_sampling,
+    )
+    reused, edited, edited_beside = [], [], []
     padding = padding_row()
 
     def check(rows, r_pad, batch, meta, token_mask=None, draft_ids=None, counters=True):
@@ -677,6 +682,13 @@ def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
         check(rows, batch.key[0], batch, meta, token_mask, draft_ids, counters=not beside)
         return meta
 
+    def checked_beside(rows, r_pad, steps):
+        found = beside_sampling(rows, r_pad, steps)
+        edited_beside.append(found is not None)
+        if found is not None:
+            check(rows, r_pad, found[0], found[1], counters=False)
+        return found
+
     def checked_decode(batch, steps):
         edited.append(batch.host_sampling is not None and batch.device_sampling is None)
         meta = decode(batch, steps)
@@ -684,6 +696,7 @@ def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
         return meta
 
     runner._sampling_metadata, runner._decode_sampling = checked, checked_decode
+    runner._beside_sampling = checked_beside
     params = [
         SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1),
         SamplingParams(max_tokens=9, min_tokens=5, temperature=0.7, seed=2),
@@ -691,11 +704,15 @@ def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
         SamplingParams(max_tokens=6, temperature=0.9, min_p=0.1, seed=3),
         SamplingParams(max_tokens=10, logit_bias={5: 0.5, 7: -1.0, 9: 0.3}, **GREEDY),
         SamplingParams(max_tokens=8, **GREEDY),
+        # Beside an all-greedy batch, together: the flags change.
+        SamplingParams(max_tokens=5, temperature=0.9, top_k=5, seed=7),
+        SamplingParams(max_tokens=5, logprobs=2, **GREEDY),
     ]
-    outputs = run(engine, make_prompts(6, seed=31, lo=3, hi=10), params, [0, 0, 0, 2, 6, 9])
+    arrivals = [0, 0, 0, 2, 6, 9, 14, 14]
+    outputs = run(engine, make_prompts(8, seed=31, lo=3, hi=10), params, arrivals)
     # A failed check fails its step, whose requests the engine finishes with an error.
     assert {c.finish_reason for out in outputs for c in out.outputs} <= {"length", "stop"}
     if steady:
-        assert any(edited)
+        assert any(edited) and any(edited_beside)
     else:
         assert any(reused) and not all(reused)

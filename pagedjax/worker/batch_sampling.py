@@ -81,8 +81,8 @@ def edit_rows(
 ) -> SamplingMetadata | None:
     """`meta`'s rows `keep` (in that order), then `joined`'s rows, then padding rows as a
     build pads (greedy, nothing asked), r_pad in all; host arrays, without draw counters.
-    None where a full build is needed instead: `joined` asks for wider or narrower lists
-    (biases), a mask or drafts."""
+    Lists (biases, histories) as wide as the wider of the two, padded as a build pads them.
+    None where a full build is needed instead: `joined` has a mask or drafts."""
     padding = padding_row()
     n = len(keep)
     edited = {"steps": None}
@@ -95,13 +95,10 @@ def edit_rows(
             if new is not None or old is not None:
                 return None  # masks and drafts are never a kept batch's
             continue
-        if new is not None and new.shape[1:] != old.shape[1:]:
-            return None
-        out = np.empty((r_pad, *old.shape[1:]), old.dtype)
-        out[:n] = old[keep]
-        end = n if new is None else n + len(new)
+        widths = old.shape[1:] if new is None else np.maximum(old.shape[1:], new.shape[1:])
+        out = np.full((r_pad, *widths), getattr(padding, name).flat[0], old.dtype)
+        out[(slice(0, n), *map(slice, old.shape[1:]))] = old[keep]
         if new is not None:
-            out[n:end] = new
-        out[end:] = getattr(padding, name).flat[0]
+            out[(slice(n, n + len(new)), *map(slice, new.shape[1:]))] = new
         edited[name] = out
     return replace(meta, **edited)

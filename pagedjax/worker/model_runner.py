@@ -771,8 +771,7 @@ class ModelRunner:
         self, batch: DecodeBatch, removed: Sequence[int], added: Sequence[tuple[Any, SampleRow]]
     ) -> DecodeBatch:
         """The kept batch without the `removed` rows (finished) and with the `added` ones
-        last (joined). Its arrays are edited, costing the rows named (the sampling arrays
-        are built anew only when a joined row's lists are wider or narrower)."""
+        last (joined). Its arrays are edited, costing the rows named, not rebuilt."""
         request_ids, rows, gone, keep = batch.without(removed)
         table_rows, counters = batch.table_rows[keep], batch.counters[keep]
         num_blocks, kinds = batch.num_blocks, batch.kinds - row_kinds(r.params for r in gone)
@@ -921,7 +920,10 @@ class ModelRunner:
             prompt = self._prompt_logprobs(logits, len(rows), targets, num_prompt_logprobs)
         if not rows:
             return StepHandle(None, None, None, prompt, 0, len(targets))
-        out, placeholders, num_logprobs = self._sample(logits, rows, r_pad, drafted, drafts, steps)
+        sampled = None if head is None else self._sample_beside(logits, rows, r_pad, steps)
+        if sampled is None:
+            sampled = self._sample(logits, rows, r_pad, drafted, drafts, steps)
+        out, placeholders, num_logprobs = sampled
         return StepHandle(
             out.token_ids,
             out.finite,
@@ -1097,6 +1099,40 @@ class ModelRunner:
         layout = self._placeholder_layout
         out, placeholders = sample_step(logits, meta, self.sampling, **batch.flags(), **layout)
         return out, placeholders, batch.num_logprobs
+
+    def _sample_beside(
+        self, logits: jax.Array, rows: Sequence[SampleRow], r_pad: int, steps: jax.Array
+    ) -> tuple[SamplerOutput, jax.Array, int | None] | None:
+        """`_sample` for a step beside the kept batch, its rows first (None: the rows need a
+        full build, `_sample`)."""
+        found = self._beside_sampling(rows, r_pad, steps)
+        if found is None:
+            return None
+        sampling, meta = found
+        layout = self._placeholder_layout
+        out, placeholders = sample_step(logits, meta, self.sampling, **sampling.flags(), **layout)
+        return out, placeholders, sampling.num_logprobs
+
+    def _beside_sampling(
+        self, rows: Sequence[SampleRow], r_pad: int, steps: jax.Array
+    ) -> tuple[BatchSampling, SamplingMetadata] | None:
+        """The kept batch's sampling arrays with the rows after its own edited in, as a
+        join edits them, and their flags, on the device; None where a row needs what only
+        `_sample` gives (a mask, a logits processor, a draft)."""
+        batch = self._decode_batch
+        n = len(batch.rows)
+        new_rows = rows[n:]
+        if any(r.constraints is not None or r.draft_token >= 0 for r in new_rows):
+            return None
+        if batch.host_sampling is None:
+            built = self.build_sampling_metadata(batch.rows, len(batch.counters))
+            batch.host_sampling = replace(built, steps=None)
+        joined = self.build_sampling_metadata(new_rows, len(new_rows))
+        host = edit_rows(batch.host_sampling, np.arange(n), joined, r_pad)
+        if host is None:
+            return None
+        sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))
+        return sampling, replace(self._put_sampling(host), steps=steps)
 
     def _batch_sampling(self, rows: Sequence[SampleRow], r_pad: int) -> BatchSampling:
         """What the rows ask of the sampler: the last step's answer while the batch is

@@ -859,11 +859,16 @@ class ModelRunner:
         """The kept batch's sampling arrays on the device, with `steps` as their draw
         counters: built once, sent again only after rows left or joined."""
         if batch.device_sampling is None:
-            if batch.host_sampling is None:
-                built = self.build_sampling_metadata(batch.rows, len(batch.counters))
-                batch.host_sampling = replace(built, steps=None)
-            batch.device_sampling = self._put_sampling(batch.host_sampling)
+            batch.device_sampling = self._put_sampling(self._host_sampling(batch))
         return replace(batch.device_sampling, steps=steps)
+
+    def _host_sampling(self, batch: DecodeBatch) -> SamplingMetadata:
+        """The kept batch's sampling arrays on the host, built the first time they are
+        needed (then edited as rows leave and join)."""
+        if batch.host_sampling is None:
+            built = self.build_sampling_metadata(batch.rows, len(batch.counters))
+            batch.host_sampling = replace(built, steps=None)
+        return batch.host_sampling
 
     def _dispatch_one(
         self,
@@ -1124,11 +1129,8 @@ class ModelRunner:
         new_rows = rows[n:]
         if any(r.constraints is not None or r.draft_token >= 0 for r in new_rows):
             return None
-        if batch.host_sampling is None:
-            built = self.build_sampling_metadata(batch.rows, len(batch.counters))
-            batch.host_sampling = replace(built, steps=None)
         joined = self.build_sampling_metadata(new_rows, len(new_rows))
-        host = edit_rows(batch.host_sampling, np.arange(n), joined, r_pad)
+        host = edit_rows(self._host_sampling(batch), np.arange(n), joined, r_pad)
         if host is None:
             return None
         sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))

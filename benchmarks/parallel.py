@@ -38,7 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     configs = parse_configs(args.configs)
     devices = max(t * d for t, d in configs)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = flags.strip()  # the caller's own flags kept
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

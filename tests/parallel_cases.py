@@ -17,7 +17,8 @@ import sys
 MODES = ("engines", "process")
 
 if __name__ == "__main__" and sys.argv[1] == "engines":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    flags = os.environ.get("XLA_FLAGS", "")  # the test run's own (tests/conftest.py)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,7 +7,6 @@ when it starts. Tiny float32 models; greedy tokens must not change with the spli
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -23,13 +22,11 @@ SCRIPT = Path(__file__).with_name("parallel_cases.py")
 
 
 def run_cases(*args: str, timeout: float = 600) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
     )
 
 

@@ -253,6 +253,30 @@ def _dequant_q4_0(raw: np.ndarray) -> np.ndarray:
     return out
 
 
+def _five_bit_codes(blocks: np.ndarray, start: int) -> np.ndarray:
+    """[n, 32] float32 5-bit codes from Q5 blocks whose high bits (a little-endian uint32,
+    bit j for element j) begin at byte `start`, their nibbles right after."""
+    out = _unpack_nibbles(blocks[:, start + 4 :])
+    out += 16 * np.unpackbits(blocks[:, start : start + 4], axis=1, bitorder="little")
+    return out
+
+
+def _dequant_q5_0(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 22)  # f16 d, high bits, nibbles; value = d * (q - 16)
+    out = _five_bit_codes(blocks, 2)
+    out -= 16
+    out *= blocks[:, :2].view(np.float16).astype(np.float32)
+    return out
+
+
+def _dequant_q5_1(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 24)  # f16 d, f16 m, high bits, nibbles; value = d * q + m
+    out = _five_bit_codes(blocks, 4)
+    out *= blocks[:, :2].view(np.float16).astype(np.float32)
+    out += blocks[:, 2:4].view(np.float16).astype(np.float32)
+    return out
+
+
 @dataclass(frozen=True)
 class BlockCodes:
     """A Q4_0, Q4_1 or Q8_0 tensor [out, in] as its file stores it: w = code * scale + offset
@@ -347,6 +371,8 @@ _DEQUANTIZERS = {
     # Not through BlockCodes: d * (q - 8) keeps the sign of d on a zero, as llama.cpp does.
     GGMLQuantizationType.Q4_0: _dequant_q4_0,
     GGMLQuantizationType.Q4_1: lambda raw: BlockCodes(*_codes_q4_1(raw.reshape(-1, 20))).values(),
+    GGMLQuantizationType.Q5_0: _dequant_q5_0,  # Gemma 3's GGUF: a quarter of its weights
+    GGMLQuantizationType.Q5_1: _dequant_q5_1,
 }
 
 

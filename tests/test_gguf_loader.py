@@ -265,10 +265,10 @@ def test_dequantize_matches_gguf_on_default_file(default_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q5_0], ids=lambda q: q.name
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name
 )
 def test_dequantize_matches_gguf(qtype: Q) -> None:
-    # Q5_0 takes the generic gguf fallback; the others our vectorised code.
+    # Our vectorised code each; K-quants take gguf's own (tests/test_gemma3_model.py's file).
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 10, (48, 1))).astype(np.float32)
     x[0, :32] = 0  # an all-zero block (scale 0)

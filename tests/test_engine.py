@@ -3,6 +3,8 @@ greedy outputs to scheduling and memory decisions, sampling, n > 1, stops, abort
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -635,6 +637,36 @@ def test_gc_freeze_can_be_turned_off(tiny, monkeypatch):
 def test_invalid_engine_config_names_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_greedy_rows_leaving_a_steady_batch_send_no_sampling_arrays(tiny):
+    """Greedy rows asking nothing else have the same sampling arrays wherever they sit (their
+    seeds unused, so the padding's): rows finishing one after another leave the batch's
+    arrays on the device as they were, sent again only for a smaller row bucket. The tokens
+    are the general way's."""
+    prompts = make_prompts(6, seed=5, lo=3, hi=12)
+    params = [SamplingParams(max_tokens=6 + 3 * i, **GREEDY) for i in range(6)]
+    general = make_engine(tiny)
+    general.engine_core.scheduler.steady_decode = False
+    want = tokens_of(run(general, prompts, params))
+    engine = make_engine(tiny)
+    engine.engine_core.scheduler.steady_decode = True
+    runner = engine.engine_core.worker.runner
+    rebuild, decode, sent, removed = runner._rebuild, runner._decode_sampling, [], []
+
+    def counted_rebuild(batch, gone, added):
+        removed.extend(gone)
+        return rebuild(batch, gone, added)
+
+    def counted_decode(batch, steps):
+        sent.append((batch.device_sampling is None, len(batch.counters)))
+        return decode(batch, steps)
+
+    runner._rebuild, runner._decode_sampling = counted_rebuild, counted_decode
+    assert tokens_of(run(engine, prompts, params)) == want
+    buckets = [r_pad for _, r_pad in sent]
+    assert len(removed) >= 4 and sent[0][0] and len(set(buckets)) < len(removed)
+    assert [put for put, _ in sent[1:]] == list(map(operator.ne, buckets, buckets[1:]))
 
 
 @pytest.mark.parametrize("steady", [False, True])

@@ -52,6 +52,7 @@ class DecodeBatch:
         rows: list[SampleRow],
         decode_only: bool | None,
         host_sampling: SamplingMetadata | None = None,
+        device_sampling: SamplingMetadata | None = None,
     ) -> DecodeBatch:
         n = len(rows)
         logits_rows = np.zeros(len(counters), np.int32)
@@ -59,7 +60,7 @@ class DecodeBatch:
         owner = np.arange(n)
         return DecodeBatch(
             batch_id, request_ids, table_rows, num_blocks, owner, owner + 1, logits_rows,
-            counters, sampling, kinds, rows, decode_only, host_sampling,
+            counters, sampling, kinds, rows, decode_only, host_sampling, device_sampling,
         )  # fmt: skip
 
     def without(self, removed: Sequence[int]) -> tuple[list, list, list[SampleRow], np.ndarray]:

@@ -56,7 +56,7 @@ from pagedjax.sampler import (
     prompt_logprobs,
 )
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.worker.batch_sampling import BatchSampling, edit_rows, row_kinds
+from pagedjax.worker.batch_sampling import BatchSampling, edit_rows, row_kinds, same_arrays
 from pagedjax.worker.block_table import BlockTables
 from pagedjax.worker.decode_batch import DecodeBatch
 from pagedjax.worker.device_steps import (
@@ -786,13 +786,15 @@ class ModelRunner:
         r_pad = self._rows_bucket(len(rows))
         padded = np.zeros(r_pad, np.int32)
         padded[: len(rows)] = counters
-        host = None  # a full build when first needed
-        if batch.host_sampling is not None:
+        host = device = None  # a full build when first needed
+        if (old := batch.host_sampling) is not None:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
-            host = edit_rows(batch.host_sampling, keep, joined, r_pad)
+            host = edit_rows(old, keep, joined, r_pad)
+            if host is not None and same_arrays(host, old):  # e.g. greedy rows alike
+                device = batch.device_sampling
         return DecodeBatch.of(
             batch.batch_id, request_ids, table_rows, num_blocks, padded,
-            BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host,
+            BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host, device,
         )  # fmt: skip
 
     def _update_batch(self, decode: DecodeStep) -> DecodeBatch:

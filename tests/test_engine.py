@@ -642,17 +642,20 @@ def test_invalid_engine_config_names_the_option(options, message):
 def test_greedy_rows_leaving_a_steady_batch_send_no_sampling_arrays(tiny):
     """Greedy rows asking nothing else have the same sampling arrays wherever they sit (their
     seeds unused, so the padding's): rows finishing one after another leave the batch's
-    arrays on the device as they were, sent again only for a smaller row bucket. The tokens
+    arrays on the device as they were, sent again only for a smaller row bucket, and steps
+    beside the batch whose new rows fit its bucket sample with those arrays too. The tokens
     are the general way's."""
-    prompts = make_prompts(6, seed=5, lo=3, hi=12)
-    params = [SamplingParams(max_tokens=6 + 3 * i, **GREEDY) for i in range(6)]
+    prompts = make_prompts(8, seed=5, lo=3, hi=12)
+    params = [SamplingParams(max_tokens=6 + 3 * i, **GREEDY) for i in range(8)]
+    arrivals = [0, 0, 0, 0, 0, 3, 5, 9]  # beside the batch, into its bucket of 8 rows
     general = make_engine(tiny)
     general.engine_core.scheduler.steady_decode = False
-    want = tokens_of(run(general, prompts, params))
+    want = tokens_of(run(general, prompts, params, arrivals))
     engine = make_engine(tiny)
     engine.engine_core.scheduler.steady_decode = True
     runner = engine.engine_core.worker.runner
-    rebuild, decode, sent, removed = runner._rebuild, runner._decode_sampling, [], []
+    rebuild, decode, beside = runner._rebuild, runner._decode_sampling, runner._beside_sampling
+    put, puts, sent, removed, beside_puts = runner._put_sampling, [], [], [], []
 
     def counted_rebuild(batch, gone, added):
         removed.extend(gone)
@@ -662,8 +665,22 @@ def test_greedy_rows_leaving_a_steady_batch_send_no_sampling_arrays(tiny):
         sent.append((batch.device_sampling is None, len(batch.counters)))
         return decode(batch, steps)
 
+    def counted_beside(rows, r_pad, steps):
+        batch = runner._decode_batch
+        kept = batch.device_sampling is not None and r_pad == len(batch.counters)
+        before = len(puts)
+        found = beside(rows, r_pad, steps)
+        beside_puts.append((kept, len(puts) > before))
+        return found
+
     runner._rebuild, runner._decode_sampling = counted_rebuild, counted_decode
-    assert tokens_of(run(engine, prompts, params)) == want
+    runner._beside_sampling, runner._put_sampling = (
+        counted_beside,
+        lambda m: puts.append(m) or put(m),
+    )
+    assert tokens_of(run(engine, prompts, params, arrivals)) == want
+    assert any(kept for kept, _ in beside_puts)
+    assert not any(put for kept, put in beside_puts if kept)
     buckets = [r_pad for _, r_pad in sent]
     assert len(removed) >= 4 and sent[0][0] and len(set(buckets)) < len(removed)
     assert [put for put, _ in sent[1:]] == list(map(operator.ne, buckets, buckets[1:]))

@@ -1132,10 +1132,13 @@ class ModelRunner:
         if any(r.constraints is not None or r.draft_token >= 0 for r in new_rows):
             return None
         joined = self.build_sampling_metadata(new_rows, len(new_rows))
-        host = edit_rows(self._host_sampling(batch), np.arange(n), joined, r_pad)
+        kept = self._host_sampling(batch)
+        host = edit_rows(kept, np.arange(n), joined, r_pad)
         if host is None:
             return None
         sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))
+        if same_arrays(host, kept):  # greedy rows like the padding: the batch's own arrays
+            return sampling, self._decode_sampling(batch, steps)
         return sampling, replace(self._put_sampling(host), steps=steps)
 
     def _batch_sampling(self, rows: Sequence[SampleRow], r_pad: int) -> BatchSampling:

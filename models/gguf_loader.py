@@ -265,15 +265,15 @@ def _dequant_q5_0(raw: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(-1, 22)  # f16 d, high bits, nibbles; value = d * (q - 16)
     out = _five_bit_codes(blocks, 2)
     out -= 16
-    out *= blocks[:, :2].view(np.float16).astype(np.float32)
+    out *= _f16(blocks[:, :2])[:, None]
     return out
 
 
 def _dequant_q5_1(raw: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(-1, 24)  # f16 d, f16 m, high bits, nibbles; value = d * q + m
     out = _five_bit_codes(blocks, 4)
-    out *= blocks[:, :2].view(np.float16).astype(np.float32)
-    out += blocks[:, 2:4].view(np.float16).astype(np.float32)
+    out *= _f16(blocks[:, :2])[:, None]
+    out += _f16(blocks[:, 2:4])[:, None]
     return out
 
 

@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 _JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
 _OWNED_CACHE = pytest.StashKey[str]()  # the directory this process made (and removes)
 # XLA:CPU's code generation without LLVM's slowest optimizations: the tiny models' steps run
-# in microseconds but compile in seconds. Level 1 keeps every number bit for bit
-# (tests/test_compile_flags.py checks; level 0 does not), and the tests take a fifth less time.
+# in microseconds but compile in seconds, so compiling is most of the suite's time. Level 1
+# keeps every number bit for bit (tests/test_compile_flags.py checks; level 0 does not).
 _QUICK_COMPILE = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 
 
@@ -279,7 +279,7 @@ def hf_from_gguf(path: Path):
     """transformers' float32 model of a GGUF file (the oracle), loaded with two of its pure
     steps done once: gguf's reader of the file (transformers builds one for the config and
     another for the weights, each parsing the whole vocabulary in Python) and gguf's tensor-name
-    map (built once per tensor). The same model, in half the time or less."""
+    map (built once per tensor). The same model, loaded with less repeated work."""
     import functools
 
     import gguf

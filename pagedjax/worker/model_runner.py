@@ -790,8 +790,9 @@ class ModelRunner:
         if (old := batch.host_sampling) is not None:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
             host = edit_rows(old, keep, joined, r_pad)
-            if host is not None and same_arrays(host, old):  # e.g. greedy rows alike
-                device = batch.device_sampling
+            kept = batch.device_sampling  # compared only where there is a copy to keep
+            if host is not None and kept is not None and same_arrays(host, old):
+                device = kept  # e.g. greedy rows alike
         return DecodeBatch.of(
             batch.batch_id, request_ids, table_rows, num_blocks, padded,
             BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host, device,

@@ -1,5 +1,7 @@
-"""The test run's quicker XLA:CPU code generation (tests/conftest.py) changes no number: a tiny
-model's tokens and every logprob, prompt and sampled, are the same bits as with XLA's defaults."""
+"""The test run's quicker XLA:CPU code generation (tests/conftest.py) changes no number: tiny
+models' tokens and every logprob, prompt and sampled, greedy and seeded sampling with penalties,
+are the same bits as with XLA's defaults. Three families whose steps differ most: Llama, Gemma 3
+(soft-capping, GELU, sliding windows) and gpt-oss (experts, attention sinks)."""
 
 from __future__ import annotations
 
@@ -8,26 +10,33 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import _QUICK_COMPILE
+from tests.conftest import quick_compile_flags
 
 SCRIPT = """
 import json, sys
 from pagedjax import LLM, SamplingParams
-llm = LLM(sys.argv[1], num_kv_blocks=32, block_size=16, max_model_len=128)
-params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
+greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
                         prompt_logprobs=5)
-outputs = llm.generate([[3, 5, 7, 9, 11, 13, 17], [4, 8, 15, 16, 23, 42]], params, False)
+sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=3, max_tokens=8,
+                         ignore_eos=True, logprobs=3, presence_penalty=0.5,
+                         repetition_penalty=1.2)
 def bits(steps):
     return [{k: v.logprob.hex() for k, v in step.items()} for step in steps if step]
-print("RESULT " + json.dumps([(o.outputs[0].token_ids, bits(o.outputs[0].logprobs),
-                               bits(o.prompt_logprobs)) for o in outputs]))
+results = []
+for model_dir in sys.argv[1:]:
+    llm = LLM(model_dir, num_kv_blocks=32, block_size=16, max_model_len=128)
+    for params in (greedy, sampled):
+        outputs = llm.generate([[3, 5, 7, 9, 11, 13, 17], [4, 8, 15, 16, 23, 42]], params, False)
+        results += [(o.outputs[0].token_ids, bits(o.outputs[0].logprobs),
+                     bits(o.prompt_logprobs or [])) for o in outputs]
+print("RESULT " + json.dumps(results))
 """
 
 
-def _start(model_dir: str, flags: str) -> subprocess.Popen:
+def _start(model_dirs: list[str], flags: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-c", SCRIPT, model_dir]
+    command = [sys.executable, "-c", SCRIPT, *model_dirs]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -39,8 +48,11 @@ def _result(process: subprocess.Popen) -> list:
 
 
 def test_quick_compilation_keeps_every_bit(tiny_model_dir):
-    path = str(tiny_model_dir("llama")[0])
-    runs = [_start(path, _QUICK_COMPILE), _start(path, "")]  # at once: mostly one core each
+    paths = [str(tiny_model_dir(name)[0]) for name in ("llama", "gemma3", "gpt_oss")]
+    runs = [
+        _start(paths, quick_compile_flags()),
+        _start(paths, ""),
+    ]  # at once: mostly one core each
     quick, default = (_result(run) for run in runs)
-    assert len(quick) == 2 and all(len(tokens) == 8 for tokens, _, _ in quick)
+    assert len(quick) == 3 * 2 * 2 and all(len(tokens) == 8 for tokens, _, _ in quick)
     assert quick == default

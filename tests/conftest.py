@@ -16,22 +16,10 @@ import pytest  # noqa: E402
 
 _JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
 _OWNED_CACHE = pytest.StashKey[str]()  # the directory this process made (and removes)
-
-
-def quick_compile_flags() -> str:
-    """XLA:CPU's code generation without LLVM's slowest optimizations, and on jaxlib before
-    0.11 with its older fusion emitters (LLVM IR written directly, not through MLIR's passes;
-    0.11 removed them and rejects the flag, so it takes optimization level 1 instead): the
-    tiny models' steps run in microseconds but compile in seconds, so compiling is most of the
-    suite's time. Each set keeps every number bit for bit (tests/test_compile_flags.py
-    checks). Level 1 with the older emitters does not (gpt-oss's decode logprobs moved), nor
-    level 0."""
-    from importlib.metadata import version
-
-    flags = "--xla_llvm_disable_expensive_passes=true"
-    if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11):
-        return f"{flags} --xla_cpu_use_fusion_emitters=false"
-    return f"--xla_backend_optimization_level=1 {flags}"
+# XLA:CPU's code generation without LLVM's slowest optimizations: the tiny models' steps run
+# in microseconds but compile in seconds, so compiling is most of the suite's time. Level 1
+# keeps every number bit for bit (tests/test_compile_flags.py checks; level 0 does not).
+_QUICK_COMPILE = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     developer's own flags and cache directory win."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a worker inherits the controller's environment
-    os.environ.setdefault("XLA_FLAGS", quick_compile_flags())  # a developer's own flags win
+    os.environ.setdefault("XLA_FLAGS", _QUICK_COMPILE)  # a developer's own flags win
     if _JIT_CACHE in os.environ:
         return
     os.environ[_JIT_CACHE] = tempfile.mkdtemp(prefix="pagedjax-jit-cache-")

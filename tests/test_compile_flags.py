@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import quick_compile_flags
+from tests.conftest import _QUICK_COMPILE
 
 SCRIPT = """
 import json, sys
@@ -49,10 +49,7 @@ def _result(process: subprocess.Popen) -> list:
 
 def test_quick_compilation_keeps_every_bit(tiny_model_dir):
     paths = [str(tiny_model_dir(name)[0]) for name in ("llama", "gemma3", "gpt_oss")]
-    runs = [
-        _start(paths, quick_compile_flags()),
-        _start(paths, ""),
-    ]  # at once: mostly one core each
+    runs = [_start(paths, _QUICK_COMPILE), _start(paths, "")]  # at once: one core each
     quick, default = (_result(run) for run in runs)
     assert len(quick) == 3 * 2 * 2 and all(len(tokens) == 8 for tokens, _, _ in quick)
     assert quick == default

@@ -5,7 +5,7 @@ input preparation, sampling metadata, detokenization, stop checks and outputs.
     python benchmarks/host_overhead.py --host-only [--running 256] [--steps 100]
     python benchmarks/host_overhead.py --overlap [--running 64] [--steps 30]
     python benchmarks/host_overhead.py --transfers [--running 256] [--steps 2000]
-    python benchmarks/host_overhead.py --arrivals [--running 64] [--steps 400] [--rates 0.1,0.5]
+    python benchmarks/host_overhead.py --arrivals [--running 64] [--rates 0.1,0.5] [--sampled]
     python benchmarks/host_overhead.py --generate [--running 256] [--steps 128] [--multi-step 8]
     ... [--model DIR]   another model than the default one
     python benchmarks/host_overhead.py --smoke   every mode, 4 requests, 3 steps, a tiny model
@@ -424,8 +424,9 @@ def generate_steps(args) -> None:
 def arrivals(args) -> None:
     """Steady decode steps while requests come and go: --running slots, as many requests at
     the start, then each step one more with the chance each of --rates gives; every request
-    16-64 random prompt tokens x 50-300 tokens (greedy, ignore_eos, FINAL_ONLY as
-    `LLM.generate` asks: the output processor's per-row work left out), the device stubbed
+    16-64 random prompt tokens x 50-300 tokens (greedy, or seeded top-p with --sampled;
+    ignore_eos; FINAL_ONLY as `LLM.generate` asks: the output processor's per-row work left
+    out), the device stubbed
     (`DeviceStubs`: the host's work alone). Over --steps engine steps after a warm-up, with
     steady decode steps on and off (`_general`, the peer, in the same run): the shares of the
     steps that ran that were steady (only the batch's rows) and steady with sequences beside
@@ -436,7 +437,7 @@ def arrivals(args) -> None:
 
     from pagedjax.sampling_params import RequestOutputKind, SamplingParams
 
-    result = {"running_requests": args.running, "steps": args.steps}
+    result = {"running_requests": args.running, "steps": args.steps, "sampled": args.sampled}
     rates = args.rates.split(",")[-1:] if args.smoke else args.rates.split(",")
     for rate in map(float, rates):
         for steady in (True,) if args.smoke else (True, False):  # smoke: the path, not a peer
@@ -455,10 +456,11 @@ def arrivals(args) -> None:
             scheduler.schedule = counted
             rng, vocab = random.Random(0), engine.model_config.vocab_size
 
-            def arrive(index: int, rng=rng, vocab=vocab, engine=engine) -> None:
+            def arrive(index: int, rng=rng, vocab=vocab, engine=engine, sampled=args.sampled):
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
+                sampling = dict(temperature=0.8, top_p=0.9, seed=index) if sampled else {}
                 params = SamplingParams(
-                    temperature=0,
+                    **(sampling or dict(temperature=0)),
                     max_tokens=rng.randint(50, 300),
                     ignore_eos=True,
                     output_kind=RequestOutputKind.FINAL_ONLY,
@@ -497,7 +499,8 @@ def arrivals(args) -> None:
         ratio = result[f"{name}_general_us_per_step_mean"] / result[f"{name}_us_per_step_mean"]
         result[f"{name}_general_over_steady_mean"] = ratio
         print(f"rate {rate:g}: general/steady host time per step (mean) {ratio:.2f}x")
-    report("host_overhead_arrivals", result, smoke=args.smoke)
+    name = "host_overhead_arrivals" + ("_sampled" if args.sampled else "")
+    report(name, result, smoke=args.smoke)
 
 
 def trace_generate(llm, prompts: list, params) -> dict:
@@ -597,6 +600,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--rates", default="0.02,0.1,0.5", help="--arrivals: requests arriving per step"
+    )
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help="--arrivals: seeded top-p requests (each row's sampling arrays its own)",
     )
     parser.add_argument(
         "--multi-step",

@@ -150,6 +150,7 @@ def test_async_llm_updates_weights_between_steps(model, llm):
     tokens the old weights' up to some point and the new weights' continuation after it;
     sleep refuses while requests run."""
     import asyncio
+    import threading
 
     from pagedjax.async_llm import AsyncLLM
 
@@ -157,6 +158,19 @@ def test_async_llm_updates_weights_between_steps(model, llm):
     engine = AsyncLLM(str(path), **OPTIONS)
     other = perturbed(params, 0.5)
     long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # The engine's thread waits, after the step that gives "a" its third token, until the
+    # update is queued: however far it could run ahead of this loop reading its outputs (a
+    # loaded machine), the update lands before "a" ends.
+    queued, seen, step = threading.Event(), [], engine.engine.step
+
+    def gated_step():
+        if len(seen) == 3:
+            queued.wait(timeout=60)
+        outputs = step()
+        seen.extend(o for o in outputs if o.request_id == "a")
+        return outputs
+
+    engine.engine.step = gated_step
 
     async def run() -> list[int]:
         # Sleep is asked for right after the add is queued, 12 steps before it can finish.
@@ -171,7 +185,10 @@ def test_async_llm_updates_weights_between_steps(model, llm):
         final = None
         async for output in engine.generate({"prompt_token_ids": PROMPTS[0]}, long, "a"):
             if len(output.outputs[0].token_ids) == 3:
-                await engine.update_weights(other)
+                update = asyncio.ensure_future(engine.update_weights(other))
+                await asyncio.sleep(0)  # queued
+                queued.set()
+                await update
             final = output
         return list(final.outputs[0].token_ids)
 

@@ -426,13 +426,12 @@ def arrivals(args) -> None:
     the start, then each step one more with the chance each of --rates gives; every request
     16-64 random prompt tokens x 50-300 tokens (greedy, or seeded top-p with --sampled;
     ignore_eos; FINAL_ONLY as `LLM.generate` asks: the output processor's per-row work left
-    out), the device stubbed
-    (`DeviceStubs`: the host's work alone). Over --steps engine steps after a warm-up, with
-    steady decode steps on and off (`_general`, the peer, in the same run): the shares of the
-    steps that ran that were steady (only the batch's rows) and steady with sequences beside
-    the rows (prefills of requests admitted), the host's CPU µs per step (median and mean: a
-    step that admits costs more), and the requests waiting at the end (a queue: every slot
-    taken, each finish admits one)."""
+    out), the device stubbed (`DeviceStubs`: the host's work alone). Over --steps engine
+    steps after a warm-up, with steady decode steps on and off (`_general`, the peer, in the
+    same run): the shares of the steps that ran that were steady (only the batch's rows) and
+    steady with sequences beside the rows (prefills of requests admitted), the host's CPU µs
+    per step (median and mean: a step that admits costs more), and the requests waiting at
+    the end (a queue: every slot taken, each finish admits one)."""
     import random
 
     from pagedjax.sampling_params import RequestOutputKind, SamplingParams
@@ -458,9 +457,10 @@ def arrivals(args) -> None:
 
             def arrive(index: int, rng=rng, vocab=vocab, engine=engine, sampled=args.sampled):
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))]
-                sampling = dict(temperature=0.8, top_p=0.9, seed=index) if sampled else {}
+                greedy = dict(temperature=0.0)
+                sampling = dict(temperature=0.8, top_p=0.9, seed=index) if sampled else greedy
                 params = SamplingParams(
-                    **(sampling or dict(temperature=0)),
+                    **sampling,
                     max_tokens=rng.randint(50, 300),
                     ignore_eos=True,
                     output_kind=RequestOutputKind.FINAL_ONLY,

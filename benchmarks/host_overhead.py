@@ -203,10 +203,11 @@ def host_only_runs(multi_step: int, smoke: bool = False) -> list[tuple]:
     from pagedjax.sampling_params import RequestOutputKind
 
     kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
-    runs = [(k, kind, False, True) for k in sorted({1, multi_step}) for kind in kinds]
-    runs.append((1, RequestOutputKind.FINAL_ONLY, True, True))  # greedy, no stop string
-    # The peers: the same K = 1 steps scheduled the general way, request by request.
-    peers = [(1, kind, greedy, False) for k, kind, greedy, _ in runs if k == 1]
+    counts = sorted({1, multi_step})
+    runs = [(k, kind, False, True) for k in counts for kind in kinds]
+    runs += [(k, RequestOutputKind.FINAL_ONLY, True, True) for k in counts]  # greedy, no stop
+    # The peers: the same steps scheduled the general way, request by request.
+    peers = [(k, kind, greedy, False) for k, kind, greedy, _ in runs]
     return runs + (peers[-1:] if smoke else peers)
 
 

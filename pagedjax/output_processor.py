@@ -238,18 +238,21 @@ class OutputProcessor:
         ):
             rows = self._find_decode_rows(out.request_ids, out.indices, rows, stale)
             self._decode_rows, self._stale = rows, set()
-        tokens, skip = out.token_ids, out.skip
+        tokens, skip, steps = out.token_ids, out.skip, out.steps
+        add = list.append if steps == 1 else list.extend  # a token, or a step's list of them
         if rows.all_sinks and not skip:
-            any(map(list.append, rows.sinks, tokens))
+            any(map(add, rows.sinks, tokens))
             return
         for row, (sink, token) in enumerate(zip(rows.sinks, tokens, strict=True)):
             if row in skip:
                 continue
             if sink is not None:
-                sink.append(token)
+                add(sink, token)
             else:
-                index = out.indices[row]
-                one = EngineCoreOutput(out.request_ids[row], index, [token], out.logprobs, row)
+                new = [token] if steps == 1 else token
+                one = EngineCoreOutput(
+                    out.request_ids[row], out.indices[row], new, out.logprobs, row * steps
+                )
                 self._process_one(one, now, touched, stopped)
 
     def _find_decode_rows(

@@ -85,6 +85,25 @@ def test_greedy_matches_transformers(tiny):
     check_multi_step(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_block_cached_by_the_loops_first_token_holds_its_kv(tiny, async_scheduling):
+    """The first loop after a 15-token prompt computes position 15, filling and caching
+    the second 8-token block: a later prompt that extends that sequence hits the block, and
+    its tokens are transformers' (the block was not left without that token's KV)."""
+    engine = make_engine(
+        tiny, num_scheduler_steps=STEPS, block_size=8, async_scheduling=async_scheduling
+    )
+    first = make_prompts(1, seed=26, lo=15, hi=16)[0]
+    greedy = SamplingParams(max_tokens=6, **GREEDY)
+    sampled = tokens_of(run(engine, [first], greedy))[0]
+    second = first + sampled[:1] + [9, 10, 11]
+    stats = engine.engine_core.kv_cache_manager.prefix_cache_stats
+    hits = stats.hits
+    assert tokens_of(run(engine, [second], greedy))[0] == hf_greedy(tiny("llama")[1], second, 6)
+    assert stats.hits - hits == 16  # both blocks
+    check_multi_step(engine)
+
+
 def test_stop_strings_end_requests_where_single_steps_do(tiny):
     """The loop runs on past a stop string: the text and tokens after it are dropped."""
     prompts = make_prompts(4, seed=23)

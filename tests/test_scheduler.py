@@ -214,3 +214,18 @@ def test_a_held_request_waits_gives_way_and_forks():
     assert s.kv.get_block_ids(child) == s.kv.get_block_ids(a)  # shared until written
     with pytest.raises(ValueError, match="must hold"):
         s.fork_request(a, request("x", 6, first_token=1))
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_steps_of_several_do_not_copy_the_block_their_first_token_fills(steady):
+    """A decode step whose token fills a block caches that block as it schedules the token;
+    reserving the further steps must not then take the block for a shared one and copy it
+    (the cached block would keep an unwritten slot, the copy the token's KV)."""
+    s = make(num_scheduler_steps=4, placeholder_stride=8, steady_decode=steady)
+    r = request("a", 7, max_tokens=12)
+    s.add_request(r)
+    execute(s, s.schedule())  # the prompt; its first sample is the block's last token
+    table = s.kv.get_block_ids(r)
+    out = s.schedule()
+    assert out.num_steps == 4 and out.block_copies == []
+    assert s.kv.get_block_ids(r)[:2] == table[:2]

@@ -722,6 +722,10 @@ class KVCacheManager:
         states = self._requests
         return [states[request.request_id].fast_path_end for request in requests]
 
+    def num_slots(self, request: KVCacheRequest) -> int:
+        """The slots the request's blocks hold (a window's passed ones counted)."""
+        return len(self._requests[request.request_id].blocks) * self.block_size
+
     def table_update(self, request: KVCacheRequest) -> tuple[int, Sequence[int]]:
         """What the model runner's persistent copy of the request's table lacks: (start, the
         block ids from start on); its table is those after its first `start` entries, nothing

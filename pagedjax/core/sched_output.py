@@ -28,6 +28,13 @@ def placeholder_token(row: int, iteration: int = 0, stride: int = 0) -> int:
     return -1 - (iteration * stride + row)
 
 
+def placeholder_tokens(row: int, steps: int, stride: int) -> range:
+    """Sample row `row`'s placeholders for its first `steps` decode steps of a step that runs
+    several (`placeholder_token` of iterations 0 .. steps - 1)."""
+    first = placeholder_token(row)
+    return range(first, first - steps * stride, -stride)
+
+
 def is_placeholder(token: int) -> bool:
     return token < 0
 
@@ -80,7 +87,8 @@ class SampleRow:
 @dataclass
 class DecodeStep:
     """A steady decode step (`core/steady_batch.py`): the rows of the step that formed batch
-    `batch_id`, in the same order, but for those removed since, each computing one token.
+    `batch_id`, in the same order, but for those removed since, each computing one token (or
+    one a decode step, for `num_steps` steps).
     The runner keeps the rest of their inputs from that step (vLLM V1's persistent batch)
     and changes only these."""
 
@@ -94,6 +102,10 @@ class DecodeStep:
     # Rows joined since the last step, after the removals: (request id, its sample row; the
     # request's block table is the runner's already).
     added: list[tuple[Any, SampleRow]] = field(default_factory=list)
+    # Decode steps run in one dispatch (`decode_steps`), and how many of them each row takes
+    # (fewer where its length limit comes first); empty for one.
+    num_steps: int = 1
+    row_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -195,15 +207,16 @@ class EngineCoreOutput:
 class DecodeOutputs:
     """A steady decode step's rows that run on, column by column (one object, not an
     `EngineCoreOutput` a row): row i's sequence (request_ids[i], indices[i]) got
-    token_ids[i], its logprobs at row i. The rows in `skip` are not reported here: they
-    finished before the step's result came back, or ended with it (each in an
-    `EngineCoreOutput` of its own)."""
+    token_ids[i] (a token, or the list of a step of several decode steps). The rows in
+    `skip` are not reported here: they finished before the step's result came back, or
+    ended with it (each in an `EngineCoreOutput` of its own)."""
 
     request_ids: list[str]
     indices: list[int]
-    token_ids: list[int]
-    logprobs: Any = None  # TokenLogprobs
+    token_ids: list[int] | list[list[int]]  # a list of `steps` tokens a row, steps > 1
+    logprobs: Any = None  # TokenLogprobs: row i's from row i * steps on
     skip: frozenset[int] | set[int] = frozenset()
+    steps: int = 1  # decode steps the step ran
 
 
 CoreOutput = EngineCoreOutput | DecodeOutputs  # what a step reports

@@ -34,7 +34,7 @@ import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import chain, islice, repeat
 
 from pagedjax.core.engine_request import EngineRequest, RequestStatus, request_finished
 from pagedjax.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -51,10 +51,16 @@ from pagedjax.core.sched_output import (
     SchedulerOutput,
     is_placeholder,
     placeholder_token,
+    placeholder_tokens,
 )
 from pagedjax.core.sched_policy import PriorityPolicy, SchedulingPolicy
 from pagedjax.core.spec_decode import DraftModelSlots, SpecDecodeStats, SpeculativeConfig
-from pagedjax.core.steady_batch import SteadyBatch, plain_request, plain_rows
+from pagedjax.core.steady_batch import (
+    SteadyBatch,
+    plain_request,
+    plain_rows,
+    steps_per_dispatch,
+)
 from pagedjax.errors import InvalidRequestError, RequestTooLongError
 
 logger = logging.getLogger(__name__)
@@ -192,8 +198,8 @@ class Scheduler:
 
     @steady_decode.setter
     def steady_decode(self, on: bool) -> None:
-        # Multi-step and speculative steps plan each row on the host: never steady.
-        self._steady_decode = on and self.num_scheduler_steps == 1 and self.speculative is None
+        # Speculative steps plan each row's drafts on the host: never steady.
+        self._steady_decode = on and self.speculative is None
         self._steady = None  # the next step is a general one either way
 
     def limits(self) -> RequestLimits:
@@ -319,12 +325,17 @@ class Scheduler:
             out.freed_request_ids = self.kv.pop_freed()
         if out.row_steps:  # several decode steps: one row per request, in the same order
             self._advance_steps(out)
-            return out
-        self._advance(out)
+        else:
+            self._advance(out)
         if self.steady_decode and self._running_sorted and self._forms_steady(out):
             self._num_batches += 1
             self._steady = SteadyBatch.form(
-                self._num_batches, self.running, self.kv, self.max_model_len
+                self._num_batches,
+                self.running,
+                self.kv,
+                self.max_model_len,
+                self.num_scheduler_steps,
+                self.placeholder_stride,
             )
             out.batch_id = self._num_batches
         return out
@@ -367,24 +378,41 @@ class Scheduler:
         """The steady batch's next step, or None when it is not steady (nothing changed but
         slots taken and pending requests joined, as the general way would take and keep
         them). The requests admitted since the batch formed, and those waiting while a
-        sequence slot is free, are scheduled beside its rows the general way."""
+        sequence slot is free, are scheduled beside its rows the general way; where none
+        is, the rows may run several decode steps, as the general way would run them."""
         if len(self.running) != batch.num_running:
             return None
+        several = self.num_scheduler_steps > 1
+        if several and any(map(self._plans_own_steps, batch.pending)):
+            return None  # the general way's steps would be several with it
         if batch.pending:
             self._join_pending(batch)
-        step = batch.schedule(self.kv, self.max_num_batched_tokens)
-        if step is None:
+        grown = batch.start_step(self.kv, self.max_num_batched_tokens)
+        if grown is None:
             return None
-        steady = batch.steady_rows(self.num_finished)
-        out = SchedulerOutput(decode=step, steady=steady, row_requests=list(batch.requests))
+        out = SchedulerOutput(row_requests=list(batch.requests))
         out.scheduled = list(zip(batch.requests, repeat(1)))
-        out.row_positions = batch.sample_positions()
+        out.row_positions = list(map(operator.add, batch.positions(), repeat(1)))
+        n = len(out.scheduled)
         if batch.pending or (self.waiting and len(self.running) < self.max_num_seqs):
             self._schedule_beside(out, batch)
+        alone = len(out.scheduled) == n and not out.preempted
+        max_steps = self.num_scheduler_steps if several and alone else 1
+        out.decode = step = batch.take_step(self.kv, grown, max_steps)
+        out.num_steps, out.row_steps = step.num_steps, step.row_steps
+        out.steady = batch.steady_rows(self.num_finished)
         out.block_copies = self.kv.pop_block_copies()
         out.swaps_out, out.swaps_in = self.kv.pop_swaps()
         out.freed_request_ids = self.kv.pop_freed()
         return out
+
+    def _plans_own_steps(self, request: EngineRequest) -> bool:
+        """Whether a pending request that never joins the batch (not a plain one, or its
+        stop tokens masked) decodes: the general way would plan several steps with it."""
+        return (
+            not plain_request(request)
+            or _min_tokens_bias(request, request.num_output_tokens) is not _NO_BIAS
+        ) and len(request.all_token_ids) - request.num_computed_tokens == 1
 
     def _join_pending(self, batch: SteadyBatch) -> None:
         """Makes rows of the pending requests, first to last, while each one's next token is
@@ -406,7 +434,7 @@ class Scheduler:
             index = len(batch.requests)
             row = SampleRow(index, request.params, tokens, num_prompt, seed, _NO_BIAS, len(tokens))
             pending.pop(0)
-            batch.join(request, row, self.kv, self.max_model_len)
+            batch.join(request, row, self.kv)
 
     def _schedule_beside(self, out: SchedulerOutput, batch: SteadyBatch) -> None:
         """The general way's share of a steady step, after the batch's rows: the pending
@@ -466,10 +494,12 @@ class Scheduler:
         longest = max(left)
         if min(left) == 0 or longest < 2:
             return  # a single step serves them all as well
-        num_steps = min(self.num_scheduler_steps, 1 << (longest - 1).bit_length())
+        num_steps = steps_per_dispatch(self.num_scheduler_steps, longest)
         row_steps = [min(num_steps, n) for n in left]
         for index, ((request, _), steps) in enumerate(zip(out.scheduled, row_steps, strict=True)):
-            if self.kv.allocate_slots(request, 1, num_lookahead_tokens=steps - 1) is None:
+            # Its token's slot is held (`_schedule_running`): a block that slot filled is
+            # cached now, and must not look shared to a second write into it (a copy).
+            if self.kv.allocate_slots(request, 0, num_lookahead_tokens=steps) is None:
                 for reserved, _ in out.scheduled[:index]:
                     self.kv.free_tail(reserved)  # the pool is tight: give the reserve back
                 return
@@ -483,8 +513,7 @@ class Scheduler:
             request.num_computed_tokens += steps
             tokens = request.all_token_ids
             out.row_positions.append(len(tokens))
-            first = placeholder_token(row)
-            tokens += range(first, first - steps * stride, -stride)  # iterations 0..steps-1
+            tokens += placeholder_tokens(row, steps, stride)
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, running: list[EngineRequest] | None = None
@@ -837,6 +866,8 @@ class Scheduler:
         only they when nothing ended) in one `DecodeOutputs`, each token put in place with
         no Python loop; the rows a stop token, the length limit or NaN logits end, one by
         one. Rows finished since the step was scheduled are dropped."""
+        if out.num_steps > 1:
+            return self._update_steady_steps(out, result)
         rows, positions, steady = out.row_requests, out.row_positions, out.steady
         num_rows = len(out.decode.positions)
         rows = rows[:num_rows] if len(rows) > num_rows else rows
@@ -864,6 +895,44 @@ class Scheduler:
         for row in sorted(ended):
             at = (row, positions[row], tokens[row], finite[row])
             outputs.append(self._append_token(rows[row], *at, result))
+        return outputs
+
+    def _update_steady_steps(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[CoreOutput]:
+        """`_update_steady` for a steady step of several decode steps (only the batch's
+        rows): each row's tokens in place of its placeholders with no Python loop; the rows
+        a stop token, the length limit or NaN logits end, one by one (`_append_tokens`)."""
+        rows, positions, steady, k = out.row_requests, out.row_positions, out.steady, out.num_steps
+        tokens = result.token_ids.tolist()  # [rows][k]
+        ended = set(steady.ending)
+        hits = steady.stop_token_ids.intersection(chain.from_iterable(tokens))
+        if hits:  # a row's token is some row's stop token: `_append_tokens` decides
+            ended.update(row for row, ts in enumerate(tokens) if not hits.isdisjoint(ts))
+        finite = result.finite
+        if not finite.all():
+            ended.update(row for row, ok in enumerate(finite.all(axis=1).tolist()) if not ok)
+        gone = self._gone_rows(rows, steady.num_finished)
+        ended -= gone
+        # Each row's tokens in place of its placeholders; those of rows that end or are
+        # gone go nowhere here.
+        targets = list(map(operator.attrgetter("all_token_ids"), rows))
+        slices = list(map(slice, positions, map(operator.add, positions, repeat(k))))
+        if ended or gone:
+            scratch = []
+            for row in ended | gone:
+                targets[row], slices[row] = scratch, slice(0, 0)
+        any(map(list.__setitem__, targets, slices, tokens))
+        self.num_generated_tokens += (len(rows) - len(ended) - len(gone)) * k
+        outputs: list[CoreOutput] = [
+            DecodeOutputs(
+                steady.group_ids, steady.indices, tokens, result.logprobs, ended | gone, k
+            )
+        ]
+        row_steps = out.row_steps
+        for row in sorted(ended):
+            at = (row, positions[row], row_steps[row], k, tokens[row], finite[row].tolist())
+            outputs.append(self._append_tokens(rows[row], *at, result))
         return outputs
 
     def _gone_rows(self, rows: list[EngineRequest], num_finished: int) -> set[int]:

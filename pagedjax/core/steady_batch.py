@@ -26,12 +26,24 @@ from itertools import repeat
 
 from pagedjax.core.engine_request import EngineRequest
 from pagedjax.core.kv_cache_manager import KVCacheManager
-from pagedjax.core.sched_output import DecodeStep, SampleRow, SteadyRows, placeholder_token
+from pagedjax.core.sched_output import (
+    DecodeStep,
+    SampleRow,
+    SteadyRows,
+    placeholder_token,
+    placeholder_tokens,
+)
 
 
 def limit_of(request: EngineRequest, max_model_len: int) -> int:
     """The most tokens the request's sequence may hold."""
     return min(request.num_prompt_tokens + request.max_tokens, max_model_len)
+
+
+def steps_per_dispatch(max_steps: int, longest: int) -> int:
+    """The decode steps a dispatch runs when its longest-running row may take `longest`:
+    a power of two (few shapes compile), at most `max_steps` (num_scheduler_steps)."""
+    return min(max_steps, 1 << (longest - 1).bit_length())
 
 
 def plain_request(request: EngineRequest) -> bool:
@@ -82,7 +94,12 @@ class SteadyBatch:
     group_ids: list[str]
     indices: list[int]
     stop_token_ids: frozenset[int]  # those of every row ever (a superset of the rows')
-    num_steps: int = 0  # steps taken
+    max_model_len: int
+    # Decode steps a dispatch may run (num_scheduler_steps), and the row stride of their
+    # placeholders (`placeholder_tokens`).
+    max_steps: int = 1
+    stride: int = 0
+    num_steps: int = 0  # decode steps taken
     # Rows removed since the last step, each numbered after the removals before it.
     removed: list[int] = field(default_factory=list)
     # Running requests out of the batch at their length limit: they finish next.
@@ -94,10 +111,16 @@ class SteadyBatch:
     pending: list[EngineRequest] = field(default_factory=list)
     # Rows joined since the last step: (request id, its sample row), in row order.
     added: list[tuple[object, SampleRow]] = field(default_factory=list)
+    runs: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)  # `_placeholder_runs`
 
     @staticmethod
     def form(
-        batch_id: int, requests: Sequence[EngineRequest], kv: KVCacheManager, max_model_len: int
+        batch_id: int,
+        requests: Sequence[EngineRequest],
+        kv: KVCacheManager,
+        max_model_len: int,
+        max_steps: int = 1,
+        stride: int = 0,
     ) -> SteadyBatch:
         """The batch of `requests`, each holding one token more than it computed."""
         requests = list(requests)
@@ -113,6 +136,9 @@ class SteadyBatch:
             [r.group_id for r in requests],
             [r.sample_index for r in requests],
             frozenset().union(*(r.stop_token_ids for r in requests)),
+            max_model_len,
+            max_steps,
+            stride,
             rank={request: row for row, request in enumerate(requests)},
         )
         batch._schedule_slots(requests, kv)
@@ -131,14 +157,14 @@ class SteadyBatch:
         """The running requests the batch stands for."""
         return len(self.requests) + len(self.retired) + len(self.pending)
 
-    def join(self, request: EngineRequest, row: SampleRow, kv: KVCacheManager, max_model_len: int):
+    def join(self, request: EngineRequest, row: SampleRow, kv: KVCacheManager):
         """Makes a pending request, whose next token is one plain decode sampling `row`, the
         batch's last row."""
         index, now = len(self.requests), self.num_steps
         base = request.num_computed_tokens - now
         self.requests.append(request)
         self.base.append(base)
-        self.limits.append(limit_of(request, max_model_len) - 1 - base)
+        self.limits.append(limit_of(request, self.max_model_len) - 1 - base)
         self.placeholders.append(placeholder_token(index))
         self.group_ids = [*self.group_ids, request.group_id]  # the last step's stay as they are
         self.indices = [*self.indices, request.sample_index]
@@ -170,23 +196,42 @@ class SteadyBatch:
             self.retired.add(self.requests[row])
             self._remove_row(row)
 
-    def schedule(self, kv: KVCacheManager, budget: int) -> DecodeStep | None:
-        """The next step of every row (those at their length limit leave first): slots for
-        the rows that need them, then each request advanced by one computed token and one
-        placeholder. None (nothing advanced; slots taken stay, as the general way would take
-        them) when the step is not steady: no row is left, the budget is short, or the pool
-        is out of blocks."""
+    def start_step(self, kv: KVCacheManager, budget: int) -> list[EngineRequest] | None:
+        """The first part of the next step of every row (those at their length limit leave
+        first): slots for the rows whose token needs them. Returns those rows, or None
+        (nothing advanced; slots taken stay, as the general way would take them) when the
+        step is not steady: no row is left, the budget is short, or the pool is out of
+        blocks. `take_step` finishes the step."""
         step = self.num_steps
         if self.limits and min(self.limits) <= step:
             self._retire(step)
-        requests, retired = self.requests, self.retired
+        requests = self.requests
         if not requests or len(requests) > budget:
             return None
-        grown = [r for r in self.due.pop(step, ()) if not r.status.finished and r not in retired]
-        grown.sort(key=self.rank.__getitem__)  # rows filed at different steps: row order
+        grown = self._pop_due(step, step + 1)
         for request in grown:
             if kv.allocate_slots(request, 1) is None:
                 return None  # the general way preempts (and sees these tables' changes)
+        return grown
+
+    def positions(self) -> list[int]:
+        """Each row's position in the next step (its computed tokens)."""
+        return list(map(operator.add, self.base, repeat(self.num_steps)))
+
+    def take_step(
+        self, kv: KVCacheManager, grown: list[EngineRequest], max_steps: int = 1
+    ) -> DecodeStep:
+        """The step `start_step` began (`grown`: the rows it gave slots), or up to
+        `max_steps` decode steps of its rows in one dispatch where their reserves fit, as
+        the general way plans them (`Scheduler._plan_steps`): each request advanced by its
+        computed tokens and placeholders."""
+        step = self.num_steps
+        num_steps, row_steps = self._window(step, max_steps)
+        if num_steps > 1:
+            grown = grown + self._pop_due(step + 1, step + num_steps)
+            grown.sort(key=self.rank.__getitem__)
+            if not self._reserve(grown, kv, num_steps):
+                num_steps, row_steps = 1, []
         updates = []
         for request in grown:
             start, block_ids = kv.table_update(request)
@@ -194,27 +239,88 @@ class SteadyBatch:
                 updates.append((request.request_id, start, block_ids))
         # The rows' tokens: the last step's samples (placeholders), or sampled tokens when
         # that step's result came back first (async scheduling off).
+        requests = self.requests
         token_ids = [r.all_token_ids[-1] for r in requests]
-        positions = list(map(operator.add, self.base, repeat(step)))
-        for request, placeholder in zip(requests, self.placeholders, strict=True):
-            request.num_computed_tokens += 1
-            request.all_token_ids.append(placeholder)
-        self.num_steps = step + 1
+        positions = self.positions()
+        if num_steps == 1:
+            for request, placeholder in zip(requests, self.placeholders, strict=True):
+                request.num_computed_tokens += 1
+                request.all_token_ids.append(placeholder)
+        elif min(row_steps) == num_steps:  # every row takes them all
+            token_lists = map(operator.attrgetter("all_token_ids"), requests)
+            any(map(list.extend, token_lists, self._placeholder_runs(num_steps)))
+            for request in requests:
+                request.num_computed_tokens += num_steps
+        else:
+            rows = zip(requests, range(len(requests)), row_steps, strict=True)
+            for request, row, steps in rows:
+                request.num_computed_tokens += steps
+                request.all_token_ids += placeholder_tokens(row, steps, self.stride)
+        self.num_steps = step + num_steps
         self._schedule_slots(grown, kv)
         removed, self.removed = self.removed, []
         added, self.added = self.added, []
-        return DecodeStep(self.batch_id, token_ids, positions, updates, removed, added)
+        return DecodeStep(
+            self.batch_id, token_ids, positions, updates, removed, added, num_steps, row_steps
+        )
+
+    def _placeholder_runs(self, num_steps: int) -> list[tuple[int, ...]]:
+        """Each row's placeholders for `num_steps` decode steps (`placeholder_tokens`), made
+        once per step count and row."""
+        runs = self.runs.setdefault(num_steps, [])
+        stride = self.stride
+        runs += (
+            tuple(placeholder_tokens(row, num_steps, stride))
+            for row in range(len(runs), len(self.requests))
+        )
+        return runs
+
+    def _pop_due(self, first: int, end: int) -> list[EngineRequest]:
+        """The running rows filed under steps first .. end - 1, in row order."""
+        due, retired = self.due, self.retired
+        grown = [
+            request
+            for at in range(first, end)
+            for request in due.pop(at, ())
+            if not request.status.finished and request not in retired
+        ]
+        grown.sort(key=self.rank.__getitem__)  # rows filed at different steps: row order
+        return grown
+
+    def _window(self, step: int, max_steps: int) -> tuple[int, list[int]]:
+        """The decode steps of a dispatch from `step` on, and each row's (empty for one):
+        as the general way plans them, each row up to its length limit."""
+        limits = self.limits
+        longest = max(limits) - step
+        if max_steps == 1 or longest < 2:
+            return 1, []
+        num_steps = steps_per_dispatch(max_steps, longest)
+        if min(limits) - step >= num_steps:
+            return num_steps, [num_steps] * len(limits)
+        return num_steps, [min(num_steps, limit - step) for limit in limits]
+
+    def _reserve(self, grown: list[EngineRequest], kv: KVCacheManager, num_steps: int) -> bool:
+        """Slots for each row's decode steps of the dispatch, in row order (the others have
+        theirs); False when the pool is out of blocks, the reserves taken given back: as
+        the general way's `_plan_steps`, which then runs one step."""
+        max_len, window = self.max_model_len, kv.sliding_window
+        for index, request in enumerate(grown):
+            computed = request.num_computed_tokens
+            steps = min(num_steps, limit_of(request, max_len) - 1 - computed)
+            if computed + steps <= kv.num_slots(request) and not window:
+                continue  # it holds them: the call would take nothing (nor give back)
+            if kv.allocate_slots(request, 0, num_lookahead_tokens=steps) is None:
+                for reserved in grown[:index]:
+                    kv.free_tail(reserved)
+                return False
+        return True
 
     def steady_rows(self, num_finished: int) -> SteadyRows:
         """The last step's rows as its update reads them; `num_finished`: the sequences
         finished so far."""
         limits, step = self.limits, self.num_steps  # rows at their limit from step on
-        if limits and min(limits) == step:
-            ending = [row for row, limit in enumerate(limits) if limit == step]
+        if limits and min(limits) <= step:  # reached within the last step's decode steps
+            ending = [row for row, limit in enumerate(limits) if limit <= step]
         else:
             ending = []
         return SteadyRows(self.group_ids, self.indices, self.stop_token_ids, ending, num_finished)
-
-    def sample_positions(self) -> list[int]:
-        """Where each row's sample of the last step goes (its computed tokens now)."""
-        return list(map(operator.add, self.base, repeat(self.num_steps)))

@@ -39,6 +39,7 @@ class DecodeBatch:
     # yet) and on the device (None: not sent since they changed).
     host_sampling: SamplingMetadata | None = None
     device_sampling: SamplingMetadata | None = None
+    advance: int = 1  # the decode steps of the batch's last step: its draw counters' advance
 
     @staticmethod
     def of(

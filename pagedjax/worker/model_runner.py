@@ -722,6 +722,8 @@ class ModelRunner:
                 handle = self._dispatch_one(
                     seqs, rows, block_copies, num_prompt_logprobs, previous, (batch, decode)
                 )
+            elif num_steps > 1:
+                handle = self._dispatch_decode_steps(decode, block_copies, previous)
             else:
                 handle = self._dispatch_decode(decode, block_copies, previous)
             return handle.prefetch() if self.prefetch_results else handle
@@ -732,8 +734,8 @@ class ModelRunner:
             handle = self._dispatch_steps(seqs, rows, block_copies, previous, num_steps, row_steps)
         else:
             handle = self._dispatch_one(seqs, rows, block_copies, num_prompt_logprobs, previous)
-            if batch_id:
-                self._decode_batch = self._keep_batch(batch_id, seqs, rows)
+        if batch_id:
+            self._decode_batch = self._keep_batch(batch_id, seqs, rows, num_steps)
         return handle.prefetch() if self.prefetch_results else handle
 
     @property
@@ -743,20 +745,27 @@ class ModelRunner:
         return self.draft is None and self.lora is None and self.kv_groups.num_groups == 1
 
     def _keep_batch(
-        self, batch_id: int, seqs: Sequence[ScheduledSequence], rows: Sequence[SampleRow]
+        self,
+        batch_id: int,
+        seqs: Sequence[ScheduledSequence],
+        rows: Sequence[SampleRow],
+        num_steps: int,
     ) -> DecodeBatch:
         """What a steady batch's steps keep of the step that formed it (one token and one
-        plain sample row per sequence: the scheduler's `_forms_steady`)."""
+        plain sample row per sequence: the scheduler's `_forms_steady`), which ran
+        `num_steps` decode steps."""
         if len(rows) != len(seqs) or any(len(s.token_ids) != 1 for s in seqs):
             raise RuntimeError("a steady batch needs one token and one sample row a sequence")
         request_ids = [s.request_id for s in seqs]
         table_rows, num_blocks = self.block_tables.rows_of(request_ids)
         counters = _draw_counters(rows, self._rows_bucket(len(rows)))
         kinds = row_kinds(r.params for r in rows)
-        return DecodeBatch.of(
+        batch = DecodeBatch.of(
             batch_id, request_ids, table_rows, num_blocks, counters, self._last_batch, kinds,
             list(rows), self._decode_only(seqs),
         )  # fmt: skip
+        batch.advance = num_steps
+        return batch
 
     def _rows_bucket(
         self, num_rows: int, t_pad: int | None = None, rows_for_every_token: bool = False
@@ -799,20 +808,21 @@ class ModelRunner:
         )  # fmt: skip
 
     def _update_batch(self, decode: DecodeStep) -> DecodeBatch:
-        """The kept batch for a steady step: each row's draw counter one on, the rows removed
-        and joined since the last step, the table changes."""
+        """The kept batch for a steady step: each row's draw counter on by the last step's
+        decode steps, the rows removed and joined since, the table changes."""
         batch = self._decode_batch
         if batch is None or batch.batch_id != decode.batch_id:
             kept = batch.batch_id if batch else None
             raise RuntimeError(
                 f"a steady step of batch {decode.batch_id} but the runner keeps batch {kept}"
             )
-        batch.counters[: len(batch.rows)] += 1  # one more token each (not a joined row)
+        batch.counters[: len(batch.rows)] += batch.advance  # tokens each (not a joined row)
         if decode.removed or decode.added:
             batch = self._decode_batch = self._rebuild(batch, decode.removed, decode.added)
         for request_id, start, block_ids in decode.table_updates:
             self.block_tables.update(request_id, start, block_ids)
             batch.num_blocks = max(batch.num_blocks, start + len(block_ids))
+        batch.advance = decode.num_steps
         return batch
 
     def prepare_decode(self, decode: DecodeStep, block_copies: Sequence[tuple[int, int]]) -> tuple:
@@ -858,7 +868,28 @@ class ModelRunner:
         handle.placeholders = placeholders
         return handle
 
-    def _decode_sampling(self, batch: DecodeBatch, steps: jax.Array) -> SamplingMetadata:
+    def _dispatch_decode_steps(
+        self,
+        decode: DecodeStep,
+        block_copies: Sequence[tuple[int, int]],
+        previous: StepHandle | None,
+    ) -> StepHandle:
+        """A steady step of several decode steps over the kept batch (`decode_steps`), row
+        r taking decode.row_steps[r]; its slots are reserved."""
+        tokens, positions, metadata, copies, sources = self.prepare_decode(decode, block_copies)
+        batch = self._decode_batch
+        limits = np.zeros(len(tokens), np.int32)
+        limits[: len(decode.row_steps)] = decode.row_steps
+        inputs = (self.params, tokens, sources, self._previous(previous), positions, metadata)
+        inputs += (copies, limits, batch.counters)
+        meta = self._decode_sampling(batch, None)  # the counters travel with the inputs
+        tokens_out, finite, logprobs, placeholders = self._decode_steps(
+            inputs, meta, decode.num_steps, **batch.sampling.flags()
+        )
+        num_rows = len(batch.rows)
+        return StepHandle(tokens_out, finite, logprobs, None, num_rows, 0, None, placeholders)
+
+    def _decode_sampling(self, batch: DecodeBatch, steps: jax.Array | None) -> SamplingMetadata:
         """The kept batch's sampling arrays on the device, with `steps` as their draw
         counters: built once, sent again only after rows left or joined."""
         if batch.device_sampling is None:

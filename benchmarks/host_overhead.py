@@ -199,7 +199,8 @@ class NoForward:
 
 def host_only_runs(multi_step: int, smoke: bool = False) -> list[tuple]:
     """(decode steps per dispatch, output kind, greedy, steady decode steps) of each
-    --host-only run (`smoke`: one peer, to keep its path working)."""
+    --host-only run (`smoke`: three, each of the script's paths once: a sampled and a greedy
+    run, one decode step a dispatch and several, steady and the general way)."""
     from pagedjax.sampling_params import RequestOutputKind
 
     kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
@@ -208,7 +209,9 @@ def host_only_runs(multi_step: int, smoke: bool = False) -> list[tuple]:
     runs += [(k, RequestOutputKind.FINAL_ONLY, True, True) for k in counts]  # greedy, no stop
     # The peers: the same steps scheduled the general way, request by request.
     peers = [(k, kind, greedy, False) for k, kind, greedy, _ in runs]
-    return runs + (peers[-1:] if smoke else peers)
+    if smoke:
+        return [runs[0], runs[-1], peers[0]]
+    return runs + peers
 
 
 class DeviceStubs:

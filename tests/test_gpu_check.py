@@ -19,9 +19,8 @@ import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processe
 
 FILES = {"env.txt", "memory.log", "memory.json", "smoke.json", "kernel_tests.log",
          "kernel_tests.xml", "bench.log", "bench.json", "engine.json", "host.log", "host.json",
-         "moe.log", "moe.json", "command_buffers_off.log", "command_buffers_off.json",
-         "command_buffers_with_loops.log", "command_buffers_with_loops.json",
-         "summary.txt"}  # fmt: skip
+         "moe.log", "moe.json", "command_buffers_with_loops.log",
+         "command_buffers_with_loops.json", "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -599,3 +599,23 @@ def test_block_tables_follow_the_managers_diffs_and_grow():
     assert tables.gather([0], 3).tolist() == [[3, 0, 0]]
     tables.forget([2, "unknown"])
     assert tables.update(7, 0, [9]) == 2 and tables.gather([2], 2).tolist() == [[9, 0]]
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_the_offer_of_a_block_waits_for_its_last_token(window):
+    """A decode whose O(1) path stops at a block still ending in a placeholder (a token being
+    sampled) would change nothing on the full path: `offer_waits` says so, until the token is
+    known, the slots run out, or a sliding window has blocks to give back."""
+    manager = KVCacheManager(16, BS, sliding_window=window)
+    request = Request("r", [1, 2, 3, 4, 5, 6])
+    _run(manager, request)  # computes 6 tokens; slots for 8
+    request.all_token_ids += [7, -1]  # a sample, then a placeholder at the block's last slot
+    assert manager.allocate_slots(request, 1) == []  # token 7 at position 6
+    request.num_computed_tokens += 1
+    assert manager.fast_path_ends([request]) == [7]  # short of the block's offer
+    assert manager.offer_waits(request, 8) == (not window)
+    assert not manager.offer_waits(request, 9)  # a new block: the full path takes it
+    request.all_token_ids[-1] = 8  # the sample came back
+    assert not manager.offer_waits(request, 8)
+    assert manager.allocate_slots(request, 1) == []
+    assert manager.get_blocks(request)[1].block_hash is not None  # offered now

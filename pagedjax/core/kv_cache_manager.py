@@ -722,6 +722,20 @@ class KVCacheManager:
         states = self._requests
         return [states[request.request_id].fast_path_end for request in requests]
 
+    def offer_waits(self, request: KVCacheRequest, num_slots_end: int) -> bool:
+        """Whether `allocate_slots` up to `num_slots_end` would change nothing though its O(1)
+        path ends before it: the request holds the slots, copies nothing, and the block its
+        path stops at (to offer it to the prefix cache) ends in a token still being sampled
+        (a placeholder), so nothing is offered yet either. A sliding window never waits (the
+        full path gives back the blocks it passed)."""
+        state = self._requests[request.request_id]
+        end = state.fast_path_end
+        return (
+            0 <= end < num_slots_end <= len(state.blocks) * self.block_size
+            and not self.sliding_window
+            and request.all_token_ids[end] < 0
+        )
+
     def num_slots(self, request: KVCacheRequest) -> int:
         """The slots the request's blocks hold (a window's passed ones counted)."""
         return len(self._requests[request.request_id].blocks) * self.block_size

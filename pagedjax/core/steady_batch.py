@@ -210,6 +210,8 @@ class SteadyBatch:
             return None
         grown = self._pop_due(step, step + 1)
         for request in grown:
+            if kv.offer_waits(request, request.num_computed_tokens + 1):
+                continue  # filed again for the next step, when its token may be known
             if kv.allocate_slots(request, 1) is None:
                 return None  # the general way preempts (and sees these tables' changes)
         return grown

@@ -724,21 +724,21 @@ class KVCacheManager:
 
     def offer_waits(self, request: KVCacheRequest, num_slots_end: int) -> bool:
         """Whether `allocate_slots` up to `num_slots_end` would change nothing though its O(1)
-        path ends before it: the request holds the slots, copies nothing, and the block its
-        path stops at (to offer it to the prefix cache) ends in a token still being sampled
-        (a placeholder), so nothing is offered yet either. A sliding window never waits (the
-        full path gives back the blocks it passed)."""
-        state = self._requests[request.request_id]
-        end = state.fast_path_end
+        path ends before it: the request holds the slots (`holds_slots`), copies nothing, and
+        the block its path stops at (to offer it to the prefix cache) ends in a token still
+        being sampled (a placeholder), so nothing is offered yet either."""
+        end = self._requests[request.request_id].fast_path_end
         return (
-            0 <= end < num_slots_end <= len(state.blocks) * self.block_size
-            and not self.sliding_window
+            0 <= end < num_slots_end
+            and self.holds_slots(request, num_slots_end)
             and request.all_token_ids[end] < 0
         )
 
-    def num_slots(self, request: KVCacheRequest) -> int:
-        """The slots the request's blocks hold (a window's passed ones counted)."""
-        return len(self._requests[request.request_id].blocks) * self.block_size
+    def holds_slots(self, request: KVCacheRequest, num_slots_end: int) -> bool:
+        """Whether a reserve of slots up to `num_slots_end` would take nothing and give
+        nothing back: the request's blocks hold them, and no sliding window frees blocks."""
+        num_slots = len(self._requests[request.request_id].blocks) * self.block_size
+        return num_slots_end <= num_slots and not self.sliding_window
 
     def table_update(self, request: KVCacheRequest) -> tuple[int, Sequence[int]]:
         """What the model runner's persistent copy of the request's table lacks: (start, the

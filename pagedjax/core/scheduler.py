@@ -392,13 +392,14 @@ class Scheduler:
             return None
         out = SchedulerOutput(row_requests=list(batch.requests))
         out.scheduled = list(zip(batch.requests, repeat(1)))
-        out.row_positions = list(map(operator.add, batch.positions(), repeat(1)))
+        positions = batch.positions()
+        out.row_positions = list(map(operator.add, positions, repeat(1)))
         n = len(out.scheduled)
         if batch.pending or (self.waiting and len(self.running) < self.max_num_seqs):
             self._schedule_beside(out, batch)
         alone = len(out.scheduled) == n and not out.preempted
         max_steps = self.num_scheduler_steps if several and alone else 1
-        out.decode = step = batch.take_step(self.kv, grown, max_steps)
+        out.decode = step = batch.take_step(self.kv, grown, positions, max_steps)
         out.num_steps, out.row_steps = step.num_steps, step.row_steps
         out.steady = batch.steady_rows(self.num_finished)
         out.block_copies = self.kv.pop_block_copies()

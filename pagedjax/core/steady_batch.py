@@ -221,9 +221,14 @@ class SteadyBatch:
         return list(map(operator.add, self.base, repeat(self.num_steps)))
 
     def take_step(
-        self, kv: KVCacheManager, grown: list[EngineRequest], max_steps: int = 1
+        self,
+        kv: KVCacheManager,
+        grown: list[EngineRequest],
+        positions: list[int],
+        max_steps: int = 1,
     ) -> DecodeStep:
-        """The step `start_step` began (`grown`: the rows it gave slots), or up to
+        """The step `start_step` began (`grown`: the rows it gave slots; `positions`: the
+        rows' `positions()`, taken before anything was scheduled beside them), or up to
         `max_steps` decode steps of its rows in one dispatch where their reserves fit, as
         the general way plans them (`Scheduler._plan_steps`): each request advanced by its
         computed tokens and placeholders."""
@@ -243,7 +248,6 @@ class SteadyBatch:
         # that step's result came back first (async scheduling off).
         requests = self.requests
         token_ids = [r.all_token_ids[-1] for r in requests]
-        positions = self.positions()
         if num_steps == 1:
             for request, placeholder in zip(requests, self.placeholders, strict=True):
                 request.num_computed_tokens += 1
@@ -292,9 +296,11 @@ class SteadyBatch:
     def _window(self, step: int, max_steps: int) -> tuple[int, list[int]]:
         """The decode steps of a dispatch from `step` on, and each row's (empty for one):
         as the general way plans them, each row up to its length limit."""
+        if max_steps == 1:
+            return 1, []
         limits = self.limits
         longest = max(limits) - step
-        if max_steps == 1 or longest < 2:
+        if longest < 2:
             return 1, []
         num_steps = steps_per_dispatch(max_steps, longest)
         if min(limits) - step >= num_steps:
@@ -305,12 +311,12 @@ class SteadyBatch:
         """Slots for each row's decode steps of the dispatch, in row order (the others have
         theirs); False when the pool is out of blocks, the reserves taken given back: as
         the general way's `_plan_steps`, which then runs one step."""
-        max_len, window = self.max_model_len, kv.sliding_window
+        max_len = self.max_model_len
         for index, request in enumerate(grown):
             computed = request.num_computed_tokens
             steps = min(num_steps, limit_of(request, max_len) - 1 - computed)
-            if computed + steps <= kv.num_slots(request) and not window:
-                continue  # it holds them: the call would take nothing (nor give back)
+            if kv.holds_slots(request, computed + steps):
+                continue  # the call would change nothing
             if kv.allocate_slots(request, 0, num_lookahead_tokens=steps) is None:
                 for reserved in grown[:index]:
                     kv.free_tail(reserved)

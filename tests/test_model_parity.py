@@ -78,7 +78,8 @@ RAGGED_CASES = [
 @pytest.mark.parametrize("name,attention", RAGGED_CASES)
 def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention, tiny_model_dir):
     """Three sequences share each step: prefill in uneven chunks, then decode one token at a time,
-    through shuffled block tables, with padding tokens and a padding sequence in every step."""
+    through shuffled block tables, with padding tokens and a padding sequence in every step.
+    Every step has one padded shape, as the engine's buckets do: one compilation per case."""
     path, hf_model = tiny_model_dir(name)
     config, params = load_model(path)
     attention_fn = {"reference": ragged_paged_attention, "xla": SMALL_TILES}.get(
@@ -97,13 +98,14 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention
     cache = allocate_kv_cache(kv_spec(config), num_blocks, block_size)
     prompt_chunks = {0: [5, 9, 2], 1: [6], 2: [1, 11, 7]}  # prompts: the first 16, 6, 19 tokens
     done = [0, 0, 0]
+    t_pad, s_pad = 24, 4  # at least 3 padding tokens (the largest step has 21) and a sequence
     step = 0
     while any(d < n for d, n in zip(done, lengths, strict=True)):
         live = [s for s in range(3) if done[s] < lengths[s]]
         q_lens = [prompt_chunks[s][step] if step < len(prompt_chunks[s]) else 1 for s in live]
         seq_lens = [done[s] + q for s, q in zip(live, q_lens, strict=True)]
         num_tokens = sum(q_lens)
-        tokens = np.zeros(num_tokens + 3, np.int32)  # 3 padding tokens
+        tokens = np.zeros(t_pad, np.int32)
         tokens[:num_tokens] = np.concatenate(
             [seqs[s][done[s] : L] for s, L in zip(live, seq_lens, strict=True)]
         )
@@ -112,11 +114,11 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention
             seq_lens,
             [tables[s] for s in live],
             block_size,
-            num_tokens_padded=num_tokens + 3,
-            num_seqs_padded=len(live) + 1,
+            num_tokens_padded=t_pad,
+            num_seqs_padded=s_pad,
             max_blocks_per_seq=8,
         )
-        positions = token_positions(q_lens, seq_lens, num_tokens + 3)
+        positions = token_positions(q_lens, seq_lens, t_pad)
         logits, cache = forward_logits_jit(
             params,
             config,
@@ -124,7 +126,7 @@ def test_ragged_chunked_prefill_then_decode_matches_transformers(name, attention
             positions,
             cache,
             meta,
-            np.arange(num_tokens, dtype=np.int32),
+            np.arange(t_pad, dtype=np.int32),  # the real rows come first
             attention_fn,
         )
         logits = np.asarray(logits)

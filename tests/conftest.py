@@ -31,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a worker inherits the controller's environment
     os.environ.setdefault("XLA_FLAGS", _QUICK_COMPILE)  # a developer's own flags win
+    # One OpenMP thread for torch (the oracle) and numpy's BLAS: their idle threads spin while
+    # they wait, taking the core that the other worker runs on.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if _JIT_CACHE in os.environ:
         return
     os.environ[_JIT_CACHE] = tempfile.mkdtemp(prefix="pagedjax-jit-cache-")

@@ -88,7 +88,10 @@ LARGE_POOL_CASES = [
 LARGE_POOL_SEQS = [(1, 4096 - 5)] * 16
 
 
-def timed(fn: Callable[..., Any], *args: Any, iters: int, repeats: int = 5) -> float:
+REPEATS = 5  # timed runs of `iters` calls a timing's median is taken over
+
+
+def timed(fn: Callable[..., Any], *args: Any, iters: int, repeats: int = REPEATS) -> float:
     """Median seconds per call: `iters` back-to-back calls per repeat, synchronised once."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     per_call = []
@@ -320,11 +323,12 @@ def run_case(
     iters: int,
     ceilings: Ceilings,
     with_peers: bool,
-    repeats: int = 5,
+    repeats: int = REPEATS,
 ) -> dict:
     """One step's shape: each kernel's median time over `repeats` runs of `iters` calls."""
     q, cache, metadata, kv_bytes = make_step(seqs, kv_dtype)
     scale = HEAD_DIM**-0.5
+    timings: dict[str, dict] = {}
     result = {
         "case": name,
         "kv_dtype": jnp.dtype(kv_dtype).name,
@@ -332,7 +336,7 @@ def run_case(
         "num_tokens": int(q.shape[0]),
         "kv_bytes": kv_bytes,
         "pool_bytes": 2 * cache.k.nbytes,
-        "timings": {},
+        "timings": timings,
     }
     if decode:
         result["num_splits"] = choose_num_splits(
@@ -383,17 +387,16 @@ def run_case(
             lambda q, c, m: ragged_paged_attention(q, c, LAYER, m, scale=scale)
         )
     for label, fn in candidates.items():
-        timing = measure(fn, (q, cache, metadata), kv_bytes, iters, ceilings, repeats)
-        result["timings"][label] = timing
+        timings[label] = measure(fn, (q, cache, metadata), kv_bytes, iters, ceilings, repeats)
     if with_peers and decode:
         try:
             fn, args = bundled_peer(q, cache, metadata)
-            result["timings"]["jax_bundled_paged_attention"] = measure(
+            timings["jax_bundled_paged_attention"] = measure(
                 fn, args, kv_bytes, iters, ceilings, repeats
             )
         except Exception as error:  # the peer has its own shape rules; record, go on
-            result["timings"]["jax_bundled_paged_attention"] = {"error": repr(error)[:500]}
-    if "xla_reference" in candidates and "pallas_ragged" in result["timings"]:
+            timings["jax_bundled_paged_attention"] = {"error": repr(error)[:500]}
+    if "xla_reference" in candidates and "pallas_ragged" in timings:
         result["max_abs_error_vs_reference"] = max_error(candidates, q, cache, metadata)
     return result
 
@@ -404,7 +407,7 @@ def measure(
     kv_bytes: int,
     iters: int,
     ceilings: Ceilings,
-    repeats: int = 5,
+    repeats: int = REPEATS,
 ) -> dict:
     try:
         seconds = timed(fn, *args, iters=iters, repeats=repeats)
@@ -506,7 +509,7 @@ def main() -> None:
         with_peers = kv_dtype == jnp.bfloat16
         result = run_case(
             name, seqs, kv_dtype, decode=decode, iters=args.iters, ceilings=ceilings,
-            with_peers=with_peers, repeats=1 if args.tiny else 5,  # tiny: the path, not a time
+            with_peers=with_peers, repeats=1 if args.tiny else REPEATS,  # tiny: the path only
         )  # fmt: skip
         report["cases"].append(result)
         print_result(result)

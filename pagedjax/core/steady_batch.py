@@ -296,11 +296,8 @@ class SteadyBatch:
     def _window(self, step: int, max_steps: int) -> tuple[int, list[int]]:
         """The decode steps of a dispatch from `step` on, and each row's (empty for one):
         as the general way plans them, each row up to its length limit."""
-        if max_steps == 1:
-            return 1, []
         limits = self.limits
-        longest = max(limits) - step
-        if longest < 2:
+        if max_steps == 1 or (longest := max(limits) - step) < 2:  # one step: no max to take
             return 1, []
         num_steps = steps_per_dispatch(max_steps, longest)
         if min(limits) - step >= num_steps:

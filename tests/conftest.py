@@ -215,6 +215,11 @@ def build_tiny_hf_model(name: str, seed: int = 0):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # gpt-oss's clamped SwiGLU: transformers before 5.18 (the GPU image's) fixes its limit and
+    # alpha whatever the config says, so the saved config states what the modules compute.
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            model.config.swiglu_limit, model.config.swiglu_alpha = module.limit, module.alpha
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if "norm" in param_name:

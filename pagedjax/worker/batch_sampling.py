@@ -3,7 +3,9 @@ arrays edited row by row as its rows leave and join (`edit_rows`): a steady batc
 join then costs the rows it names, not a build over every row.
 
 The flags come from a count of the rows' kinds (`row_kind`), so a row leaving or joining
-changes a count, and the flags stay exactly what a build over the rows would give.
+changes a count, and the flags stay exactly what a build over the rows would give. Rows whose
+arrays are a padding row's (`distinct_rows`: greedy rows asking nothing else) need no edit at
+all: a batch of only those has the arrays of padding rows (`padding_rows`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,28 @@ class BatchSampling:
 def padding_row() -> SamplingMetadata:
     """What a build puts in a padding row (a greedy row asking nothing), as one row."""
     return build_sampling_metadata([], [], [], [], num_rows=1)
+
+
+@cache
+def padding_rows(num_rows: int) -> SamplingMetadata:
+    """What a build gives for num_rows rows that are each a padding row's, or a greedy row's
+    that asks nothing else; host arrays, without draw counters."""
+    return replace(build_sampling_metadata([], [], [], [], num_rows=num_rows), steps=None)
+
+
+def distinct_rows(meta: SamplingMetadata, n: int) -> np.ndarray:
+    """[n] bool: whether each of `meta`'s first n rows has arrays other than a padding row's
+    (a row with a mask or a draft always has)."""
+    padding = padding_row()
+    distinct = np.zeros(n, bool)
+    for field in fields(meta):
+        name, values = field.name, getattr(meta, field.name)
+        if name == "steps" or values is None:
+            continue
+        if (fill := getattr(padding, name)) is None:
+            return np.ones(n, bool)
+        distinct |= (values[:n].reshape(n, -1) != fill.flat[0]).any(axis=1)
+    return distinct
 
 
 def edit_rows(

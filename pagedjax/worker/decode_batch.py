@@ -39,6 +39,9 @@ class DecodeBatch:
     # yet) and on the device (None: not sent since they changed).
     host_sampling: SamplingMetadata | None = None
     device_sampling: SamplingMetadata | None = None
+    # [n] whether each row's sampling arrays are other than a padding row's (with
+    # host_sampling): where none is, the arrays are the padding's, sent once per row bucket.
+    distinct: np.ndarray | None = None
     advance: int = 1  # the decode steps of the batch's last step: its draw counters' advance
 
     @staticmethod
@@ -54,6 +57,7 @@ class DecodeBatch:
         decode_only: bool | None,
         host_sampling: SamplingMetadata | None = None,
         device_sampling: SamplingMetadata | None = None,
+        distinct: np.ndarray | None = None,
     ) -> DecodeBatch:
         n = len(rows)
         logits_rows = np.zeros(len(counters), np.int32)
@@ -62,6 +66,7 @@ class DecodeBatch:
         return DecodeBatch(
             batch_id, request_ids, table_rows, num_blocks, owner, owner + 1, logits_rows,
             counters, sampling, kinds, rows, decode_only, host_sampling, device_sampling,
+            distinct,
         )  # fmt: skip
 
     def without(self, removed: Sequence[int]) -> tuple[list, list, list[SampleRow], np.ndarray]:

@@ -55,8 +55,14 @@ from pagedjax.sampler import (
     build_sampling_metadata,
     prompt_logprobs,
 )
-from pagedjax.sampling_params import SamplingParams
-from pagedjax.worker.batch_sampling import BatchSampling, edit_rows, row_kinds, same_arrays
+from pagedjax.worker.batch_sampling import (
+    BatchSampling,
+    distinct_rows,
+    edit_rows,
+    padding_rows,
+    row_kinds,
+    same_arrays,
+)
 from pagedjax.worker.block_table import BlockTables
 from pagedjax.worker.decode_batch import DecodeBatch
 from pagedjax.worker.device_steps import (
@@ -204,15 +210,6 @@ def _fetch_steps(logprobs: TokenLogprobs | None, n: int) -> TokenLogprobs | None
     return jax.tree.map(rows_first, logprobs)
 
 
-def _greedy_metadata(num_rows: int) -> SamplingMetadata:
-    """Sampling arrays of num_rows greedy rows (warmup, inspection), without draw counters:
-    a step's come from its forward."""
-    meta = build_sampling_metadata(
-        [SamplingParams(temperature=0.0)], [[]], [0], [0], num_rows=num_rows
-    )
-    return replace(meta, steps=None)
-
-
 def _draw_counters(rows: Sequence[SampleRow], num_rows: int) -> np.ndarray:
     """[num_rows] each sample row's tokens generated so far (SamplingMetadata.steps)."""
     counters = np.zeros(num_rows, np.int32)
@@ -298,8 +295,7 @@ class ModelRunner:
         self.token_buckets = token_buckets(
             config.max_num_batched_tokens, drafted_step, config.batch_invariant
         )
-        self.max_seqs_bucket = seqs_bucket(config)
-        self.max_num_seqs = config.max_num_seqs
+        self.max_seqs_bucket, self.max_num_seqs = seqs_bucket(config), config.max_num_seqs
         # Only then is decode-only a static flag of the step, and a key of its compilations.
         self.has_decode_kernel = attention.has_decode_kernel
         self.max_blocks_per_seq = -(-config.max_model_len // block_size)
@@ -322,6 +318,7 @@ class ModelRunner:
         self._last_sampling: tuple[BatchSampling, SamplingMetadata] | None = None
         self._last_batch: BatchSampling | None = None  # the last step's (`_batch_sampling`)
         self._decode_batch: DecodeBatch | None = None  # the steady batch's kept inputs
+        self._padding_arrays: dict[int, SamplingMetadata] = {}  # `_padding_sampling`'s
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._put(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
@@ -795,16 +792,22 @@ class ModelRunner:
         r_pad = self._rows_bucket(len(rows))
         padded = np.zeros(r_pad, np.int32)
         padded[: len(rows)] = counters
-        host = device = None  # a full build when first needed
+        host = device = distinct = None  # a full build when first needed
         if (old := batch.host_sampling) is not None:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
-            host = edit_rows(old, keep, joined, r_pad)
-            kept = batch.device_sampling  # compared only where there is a copy to keep
-            if host is not None and kept is not None and same_arrays(host, old):
-                device = kept  # e.g. greedy rows alike
+            distinct = batch.distinct[keep]
+            if added:
+                distinct = np.concatenate([distinct, distinct_rows(joined, len(new_rows))])
+            if not distinct.any():  # greedy rows asking nothing else: no edit, no transfer
+                host, device = padding_rows(r_pad), self._padding_sampling(r_pad)
+            elif (host := edit_rows(old, keep, joined, r_pad)) is None:
+                distinct = None
+            elif (kept := batch.device_sampling) is not None and same_arrays(host, old):
+                device = kept  # compared only where there is a copy to keep
         return DecodeBatch.of(
             batch.batch_id, request_ids, table_rows, num_blocks, padded,
             BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host, device,
+            distinct,
         )  # fmt: skip
 
     def _update_batch(self, decode: DecodeStep) -> DecodeBatch:
@@ -893,16 +896,29 @@ class ModelRunner:
         """The kept batch's sampling arrays on the device, with `steps` as their draw
         counters: built once, sent again only after rows left or joined."""
         if batch.device_sampling is None:
-            batch.device_sampling = self._put_sampling(self._host_sampling(batch))
+            host = self._host_sampling(batch)
+            if batch.distinct.any():
+                batch.device_sampling = self._put_sampling(host)
+            else:
+                batch.device_sampling = self._padding_sampling(len(batch.counters))
         return replace(batch.device_sampling, steps=steps)
 
     def _host_sampling(self, batch: DecodeBatch) -> SamplingMetadata:
         """The kept batch's sampling arrays on the host, built the first time they are
-        needed (then edited as rows leave and join)."""
+        needed (then edited as rows leave and join), and which rows are not padding-like."""
         if batch.host_sampling is None:
             built = self.build_sampling_metadata(batch.rows, len(batch.counters))
             batch.host_sampling = replace(built, steps=None)
+            batch.distinct = distinct_rows(built, len(batch.rows))
         return batch.host_sampling
+
+    def _padding_sampling(self, num_rows: int) -> SamplingMetadata:
+        """`padding_rows(num_rows)` on the device, sent once per row bucket: the arrays of
+        every batch of greedy rows that ask nothing else (warmup's too)."""
+        meta = self._padding_arrays.get(num_rows)
+        if meta is None:
+            meta = self._padding_arrays[num_rows] = self._put_sampling(padding_rows(num_rows))
+        return meta
 
     def _dispatch_one(
         self,
@@ -1059,7 +1075,7 @@ class ModelRunner:
             t_pad, width
         )
         num_rows = min(t_pad, self.max_seqs_bucket)
-        meta = self._put_sampling(_greedy_metadata(num_rows))
+        meta = self._padding_sampling(num_rows)
         limits, steps = np.zeros(t_pad, np.int32), np.zeros(num_rows, np.int32)
         inputs = (params, tokens, sources, previous, positions, metadata, copies, limits, steps)
         return inputs, meta
@@ -1165,10 +1181,12 @@ class ModelRunner:
             return None
         joined = self.build_sampling_metadata(new_rows, len(new_rows))
         kept = self._host_sampling(batch)
+        sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))
+        if not (batch.distinct.any() or distinct_rows(joined, len(new_rows)).any()):
+            return sampling, replace(self._padding_sampling(r_pad), steps=steps)
         host = edit_rows(kept, np.arange(n), joined, r_pad)
         if host is None:
             return None
-        sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))
         if same_arrays(host, kept):  # greedy rows like the padding: the batch's own arrays
             return sampling, self._decode_sampling(batch, steps)
         return sampling, replace(self._put_sampling(host), steps=steps)
@@ -1350,7 +1368,7 @@ class ModelRunner:
                 if not probe:
                     self._warm_decode_steps(t_pad, width)
             # Its draw counters come from the forward, as a step's do: one compiled variant.
-            meta = replace(self._put_sampling(_greedy_metadata(s_pad)), steps=steps)
+            meta = replace(self._padding_sampling(s_pad), steps=steps)
             greedy = self._GREEDY_STEPS
             sample_step(logits, meta, self.sampling, **greedy, **self._placeholder_layout)
         jax.block_until_ready(self.kv_cache)

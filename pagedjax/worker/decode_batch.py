@@ -39,8 +39,9 @@ class DecodeBatch:
     # yet) and on the device (None: not sent since they changed).
     host_sampling: SamplingMetadata | None = None
     device_sampling: SamplingMetadata | None = None
-    # [n] whether each row's sampling arrays are other than a padding row's (with
-    # host_sampling): where none is, the arrays are the padding's, sent once per row bucket.
+    # [n] whether each row's sampling arrays may be other than a padding row's (with
+    # host_sampling; a row joining beside one that is counts as one): where none is, the
+    # arrays are the padding's, sent once per row bucket.
     distinct: np.ndarray | None = None
     advance: int = 1  # the decode steps of the batch's last step: its draw counters' advance
 

@@ -694,6 +694,29 @@ def test_greedy_rows_leaving_a_steady_batch_send_no_sampling_arrays(tiny):
     assert len(set(batch_sent)) == len(batch_sent) < changes, (batch_sent, buckets)
 
 
+def test_rows_like_padding_are_found_among_any_rows():
+    """`distinct_rows`: a greedy row asking nothing else is like a padding row; a sampled
+    row, one with other options (a penalty, a bias) or a mask is not; no rows (a step beside a
+    batch whose own sequences sample nothing yet) is an empty answer, not an error."""
+    from pagedjax.sampler import build_sampling_metadata
+    from pagedjax.worker.batch_sampling import distinct_rows
+
+    params = [
+        SamplingParams(**GREEDY),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(top_k=5, **GREEDY),  # greedy drops its top-k: like padding
+        SamplingParams(presence_penalty=0.5, **GREEDY),
+        SamplingParams(logit_bias={3: 1.0}, **GREEDY),
+        SamplingParams(max_tokens=3, **GREEDY),
+    ]
+    n = len(params)
+    meta = build_sampling_metadata(params, [[1, 2]] * n, [1] * n, [7] * n, num_rows=8)
+    assert distinct_rows(meta, n).tolist() == [False, True, False, True, True, False]
+    masked = build_sampling_metadata(params[:1], [[1]], [1], [0], token_mask=np.ones((1, 4)))
+    assert distinct_rows(masked, 1).tolist() == [True]
+    assert distinct_rows(build_sampling_metadata([], [], [], [], num_rows=0), 0).size == 0
+
+
 @pytest.mark.parametrize("steady", [False, True])
 def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
     """General steps reuse the last step's sampling arrays while its rows stay the same; a

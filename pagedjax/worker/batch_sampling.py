@@ -90,6 +90,8 @@ def distinct_rows(meta: SamplingMetadata, n: int) -> np.ndarray:
     (a row with a mask or a draft always has)."""
     padding = padding_row()
     distinct = np.zeros(n, bool)
+    if n == 0:  # a step beside the batch with no sample rows of its own
+        return distinct
     for field in fields(meta):
         name, values = field.name, getattr(meta, field.name)
         if name == "steps" or values is None:

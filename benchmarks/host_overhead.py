@@ -236,7 +236,7 @@ class DeviceStubs:
 
         import numpy as np
 
-        rows = meta.temperature.shape[0]
+        rows = meta.num_rows
         tokens = self.rng.choice(self.words, rows).astype(np.int32)
         finite = np.ones(rows, bool)
         out = types.SimpleNamespace(token_ids=tokens, finite=finite, logprobs=None, accepted=None)
@@ -265,7 +265,7 @@ class RandomSteps:
     def __call__(self, params, packed, previous, kv_cache, meta, num_steps: int, **options):
         import numpy as np
 
-        rows = meta.temperature.shape[0]  # the logits rows
+        rows = meta.num_rows  # the logits rows
         tokens = self.stubs.rng.choice(self.stubs.words, (num_steps, rows)).astype(np.int32)
         return tokens, np.ones((num_steps, rows), bool), None, kv_cache, None
 

@@ -678,7 +678,7 @@ def test_greedy_rows_leaving_a_steady_batch_send_no_sampling_arrays(tiny):
     def counted_beside(rows, r_pad, steps):
         found = batch_puts(beside, rows, r_pad, steps)
         beside_steps.append(r_pad)
-        assert found[1].temperature is runner._padding_arrays[r_pad].temperature
+        assert found[1].bits is runner._padding_arrays[r_pad].bits
         return found
 
     runner._rebuild, runner._decode_sampling = counted_rebuild, counted_decode
@@ -739,6 +739,7 @@ def test_sampling_arrays_are_reused_and_edited_and_stay_right(tiny, steady):
     def check(rows, r_pad, batch, meta, token_mask=None, draft_ids=None, counters=True):
         full = runner.build_sampling_metadata(rows, r_pad, token_mask, draft_ids)
         assert batch.flags() == BatchSampling.of([], [r.params for r in rows]).flags()
+        meta = meta.unpacked()  # as the sampler's call takes them apart
         for field in dataclasses.fields(full):
             if field.name == "steps" and not counters:
                 continue  # a kept row's counter advances past its forming step's row's

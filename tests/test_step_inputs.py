@@ -41,8 +41,7 @@ def test_pack_bits_sends_32_bit_arrays_of_any_type_and_gives_back_their_bits():
     """The sampling arrays' way to the device (`ModelRunner._put_sampling`): float32 (with
     -0.0, inf and a NaN), uint32 and int32 leaves, 1-D and 2-D, and None, bit for bit."""
     from pagedjax.sampler import SamplingMetadata, build_sampling_metadata
-    from pagedjax.worker.device_steps import unpack_bits
-    from pagedjax.worker.step_inputs import pack_bits
+    from pagedjax.worker.step_inputs import pack_bits, unpack
 
     params = [SamplingParams(temperature=0.7, top_p=0.9, logit_bias={3: -1.5, 9: 2.0})] * 3
     meta = build_sampling_metadata(params, [[1, 2]] * 3, [1] * 3, [2**32 - 1, 0, 7], num_rows=4)
@@ -50,7 +49,7 @@ def test_pack_bits_sends_32_bit_arrays_of_any_type_and_gives_back_their_bits():
     inputs = (meta, odd, None)
     packed, layout = pack_bits(inputs)
     assert packed.dtype == np.int32 and packed.ndim == 1
-    got = unpack_bits(jnp.asarray(packed), layout)
+    got = jax.jit(unpack, static_argnames="layout")(jnp.asarray(packed), layout)
     assert isinstance(got[0], SamplingMetadata) and got[2] is None
     want_leaves, want_tree = jax.tree.flatten(inputs)
     got_leaves, got_tree = jax.tree.flatten(got)
@@ -86,7 +85,7 @@ def test_a_step_sends_one_host_array_and_a_steady_batch_only_its_draw_counters(t
     run(engine, make_prompts(3, seed=5), params)
     assert forward_hosts and set(forward_hosts) == {1}
     assert not any(isinstance(leaf, np.ndarray) for meta in metas for leaf in jax.tree.leaves(meta))
-    sent = {id(meta.temperature) for meta in metas}  # built and sent when the batch changed
+    sent = {id(meta.bits) for meta in metas}  # built and sent when the batch changed
     assert len(sent) <= 4 < len(metas)  # the prefills' batches, then one steady batch
     assert len({id(meta.steps) for meta in metas}) == len(metas)  # counters sent every step
 

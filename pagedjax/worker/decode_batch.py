@@ -19,6 +19,7 @@ import numpy as np
 from pagedjax.core.sched_output import SampleRow
 from pagedjax.sampler import SamplingMetadata
 from pagedjax.worker.batch_sampling import BatchSampling, RowKind
+from pagedjax.worker.step_inputs import PackedSampling
 
 
 @dataclass
@@ -38,7 +39,7 @@ class DecodeBatch:
     # [R] the rows' sampling arrays without draw counters, on the host (None: not built
     # yet) and on the device (None: not sent since they changed).
     host_sampling: SamplingMetadata | None = None
-    device_sampling: SamplingMetadata | None = None
+    device_sampling: PackedSampling | None = None
     # [n] whether each row's sampling arrays may be other than a padding row's (with
     # host_sampling; a row joining beside one that is counts as one): where none is, the
     # arrays are the padding's, sent once per row bucket.
@@ -57,7 +58,7 @@ class DecodeBatch:
         rows: list[SampleRow],
         decode_only: bool | None,
         host_sampling: SamplingMetadata | None = None,
-        device_sampling: SamplingMetadata | None = None,
+        device_sampling: PackedSampling | None = None,
         distinct: np.ndarray | None = None,
     ) -> DecodeBatch:
         n = len(rows)

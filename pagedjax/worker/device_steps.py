@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +20,10 @@ from models.tensor_parallel import TensorParallel
 from pagedjax.sampler import (
     SamplerOutput,
     SamplingKernels,
-    SamplingMetadata,
     TokenLogprobs,
     sample,
 )
-from pagedjax.worker.step_inputs import StepLayout, unpack
+from pagedjax.worker.step_inputs import PackedSampling, StepLayout, unpack
 
 
 def model_step(
@@ -135,7 +133,7 @@ def decode_steps(
     packed,
     previous,  # [P] int32
     kv_cache,
-    meta: SamplingMetadata,  # [R] rows; its steps are not read (None): packed has them
+    meta: PackedSampling,  # [R] rows; its steps are not read (None): packed has them
     *,
     layout: StepLayout,
     config,
@@ -163,7 +161,7 @@ def decode_steps(
     Every draw is the one a single step would make (its key counts the row's tokens); with
     penalties, each step's token joins the row's output history on the device."""
     token_ids, sources, positions, metadata, rows, copies, limits, steps = unpack(packed, layout)
-    meta = dataclasses.replace(meta, steps=steps)
+    meta = dataclasses.replace(meta.unpacked(), steps=steps)
     token_ids = _with_previous(token_ids, sources, previous)
     if copies.shape[0]:
         kv_cache = copy_blocks(kv_cache, copies)
@@ -255,7 +253,7 @@ def _token_slots(
 )
 def sample_step(
     logits: jax.Array,  # [R, V] f32
-    meta: SamplingMetadata,
+    meta: PackedSampling,  # [R] rows
     kernels: SamplingKernels,
     *,
     num_logprobs: int | None,
@@ -269,7 +267,7 @@ def sample_step(
     dispatch for both."""
     out = sample(
         logits,
-        meta,
+        meta.unpacked(),
         kernels,
         num_logprobs=num_logprobs,
         use_penalties=use_penalties,
@@ -277,13 +275,6 @@ def sample_step(
         all_greedy=all_greedy,
     )
     return out, fixed_rows(out.token_ids, stride, size)
-
-
-@partial(jax.jit, static_argnames=("layout",))
-def unpack_bits(packed: jax.Array, layout: StepLayout) -> Any:
-    """`step_inputs.unpack` as a call of its own: arrays `pack_bits` sent in one transfer, for
-    calls that take them apart (the sampler's)."""
-    return unpack(packed, layout)
 
 
 @partial(jax.jit, static_argnames=("stride", "size"))

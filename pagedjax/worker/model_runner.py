@@ -70,7 +70,6 @@ from pagedjax.worker.device_steps import (
     forward_step,
     sample_step,
     set_rows,
-    unpack_bits,
 )
 from pagedjax.worker.draft_model import (
     ChainInputs,
@@ -84,7 +83,7 @@ from pagedjax.worker.draft_model import (
 )
 from pagedjax.worker.host_kv import HostKV
 from pagedjax.worker.lora_slots import LoRASlots
-from pagedjax.worker.step_inputs import pack, pack_bits
+from pagedjax.worker.step_inputs import PackedSampling, pack, pack_bits
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +314,10 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's steps triggered
         self.masks = MaskFiller(model_config.vocab_size)
         # The last step's sampling arrays and what they were built from (`_sampling_metadata`).
-        self._last_sampling: tuple[BatchSampling, SamplingMetadata] | None = None
+        self._last_sampling: tuple[BatchSampling, PackedSampling] | None = None
         self._last_batch: BatchSampling | None = None  # the last step's (`_batch_sampling`)
         self._decode_batch: DecodeBatch | None = None  # the steady batch's kept inputs
-        self._padding_arrays: dict[int, SamplingMetadata] = {}  # `_padding_sampling`'s
+        self._padding_arrays: dict[int, PackedSampling] = {}  # `_padding_sampling`'s
         self.num_scheduler_steps = config.num_scheduler_steps
         # The previous step's samples as the next one reads them: a row stride per iteration.
         self._no_previous = self._put(jnp.zeros(max_seqs * self.num_scheduler_steps, jnp.int32))
@@ -406,12 +405,12 @@ class ModelRunner:
         """Arrays the step reads, on its devices (replicated over a group)."""
         return jax.device_put(tree, self._step_sharding)
 
-    def _put_sampling(self, meta: SamplingMetadata) -> SamplingMetadata:
-        """Sampling arrays on the step's devices in one transfer (their bits packed; a call
-        takes them apart there): each array put alone is a transfer of its own. The sampler
-        always gets its arrays this way: arguments placed alike are one compiled variant."""
+    def _put_sampling(self, meta: SamplingMetadata) -> PackedSampling:
+        """Sampling arrays on the step's devices in one transfer, their bits packed (each
+        array put alone is a transfer of its own), which the sampler's call takes apart. The
+        sampler always gets its arrays this way: one compiled variant per layout."""
         packed, layout = pack_bits(meta)
-        return unpack_bits(self._put(packed), layout)
+        return PackedSampling(self._put(packed), layout)
 
     def _forward(
         self,
@@ -894,7 +893,7 @@ class ModelRunner:
         num_rows = len(batch.rows)
         return StepHandle(tokens_out, finite, logprobs, None, num_rows, 0, None, placeholders)
 
-    def _decode_sampling(self, batch: DecodeBatch, steps: jax.Array | None) -> SamplingMetadata:
+    def _decode_sampling(self, batch: DecodeBatch, steps: jax.Array | None) -> PackedSampling:
         """The kept batch's sampling arrays on the device, with `steps` as their draw
         counters: built once, sent again only after rows left or joined."""
         if batch.device_sampling is None:
@@ -914,7 +913,7 @@ class ModelRunner:
             batch.distinct = distinct_rows(built, len(batch.rows))
         return batch.host_sampling
 
-    def _padding_sampling(self, num_rows: int) -> SamplingMetadata:
+    def _padding_sampling(self, num_rows: int) -> PackedSampling:
         """`padding_rows(num_rows)` on the device, sent once per row bucket: the arrays of
         every batch of greedy rows that ask nothing else (warmup's too)."""
         meta = self._padding_arrays.get(num_rows)
@@ -1037,7 +1036,7 @@ class ModelRunner:
         return StepHandle(tokens_out, finite, logprobs, None, len(rows), 0, None, placeholders)
 
     def _decode_steps(
-        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, **flags: bool | int | None
+        self, inputs: tuple, meta: PackedSampling, num_steps: int, **flags: bool | int | None
     ) -> tuple[jax.Array, jax.Array, TokenLogprobs | None, jax.Array]:
         """`decode_steps` on the pool: inputs are (params, tokens, sources, previous,
         positions, metadata, copies, limits, draw counters); flags are its use_truncation,
@@ -1048,12 +1047,12 @@ class ModelRunner:
         return (*out, placeholders)
 
     def _decode_steps_call(
-        self, inputs: tuple, meta: SamplingMetadata, num_steps: int, flags: dict
+        self, inputs: tuple, meta: PackedSampling, num_steps: int, flags: dict
     ) -> tuple[tuple, dict]:
         """`decode_steps`' arguments and options (every flag passed, always the same way: a
         keyword left to its default would be another compilation)."""
         params, tokens, sources, previous, positions, metadata, copies, limits, steps = inputs
-        rows = np.arange(meta.temperature.shape[0], dtype=np.int32)
+        rows = np.arange(meta.num_rows, dtype=np.int32)
         packed, layout = pack((tokens, sources, positions, metadata, rows, copies, limits, steps))
         args = (params, packed, previous, self.kv_cache, meta)
         options = dict(
@@ -1070,7 +1069,7 @@ class ModelRunner:
         names = ("use_truncation", "all_greedy", "num_logprobs", "use_penalties")
         return args, options | {name: flags[name] for name in names}
 
-    def _padding_decode_inputs(self, t_pad: int, width: int) -> tuple[tuple, SamplingMetadata]:
+    def _padding_decode_inputs(self, t_pad: int, width: int) -> tuple[tuple, PackedSampling]:
         """`_decode_steps`' inputs for a step of only padding at bucket t_pad and width, with
         greedy sampling arrays."""
         params, tokens, positions, _, metadata, _, copies, sources, previous = self._padding_step(
@@ -1172,7 +1171,7 @@ class ModelRunner:
 
     def _beside_sampling(
         self, rows: Sequence[SampleRow], r_pad: int, steps: jax.Array
-    ) -> tuple[BatchSampling, SamplingMetadata] | None:
+    ) -> tuple[BatchSampling, PackedSampling] | None:
         """The kept batch's sampling arrays with the rows after its own edited in, as a
         join edits them, and their flags, on the device; None where a row needs what only
         `_sample` gives (a mask, a logits processor, a draft)."""
@@ -1209,7 +1208,7 @@ class ModelRunner:
         steps: jax.Array | None,
         token_mask: np.ndarray | None = None,
         draft_ids: list[int] | None = None,
-    ) -> SamplingMetadata:
+    ) -> PackedSampling:
         """The rows' sampling arrays, on the step's devices, with `steps` as their draw
         counters (they travel with the forward's inputs: None for `decode_steps`, which
         unpacks them itself). The same requests in the same order as the last step, with

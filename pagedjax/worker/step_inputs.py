@@ -6,17 +6,20 @@ the attention metadata, logits rows, copy-on-write pairs) are all int32, so the 
 them into one flat array on the host and the step unpacks it on the device with static slices.
 `StepLayout` (the inputs' tree and shapes) is a static argument: it changes only with the
 bucket, so packing adds no compilation. `pack_bits` packs 32-bit arrays of other types (the
-sampling arrays) as their bits, which `unpack` casts back.
+sampling arrays) as their bits, which `unpack` casts back: `PackedSampling` carries them to the
+sampler's jitted call, which takes them apart itself (no dispatch of their own).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any
 
 import jax
 import numpy as np
+
+from pagedjax.sampler import SamplingMetadata
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,30 @@ def unpack(packed: jax.Array, layout: StepLayout) -> Any:
         leaves.append(leaf)
         start += size
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedSampling:
+    """The sampler's arrays on the device as one transfer sent them: their bits (`pack_bits`),
+    taken apart inside the jitted call that reads them (`unpacked`), so that sending them costs
+    no dispatch of its own; the draw counters and the verified drafts, which other calls make
+    on the device, beside them (None: the packed ones, if any)."""
+
+    bits: jax.Array  # [N] int32
+    layout: StepLayout = field(metadata=dict(static=True))
+    steps: jax.Array | None = None  # [S] i32
+    draft_token_ids: jax.Array | None = None  # [S] i32
+
+    @property
+    def num_rows(self) -> int:
+        """The sample rows (the first array's, SamplingMetadata.temperature's, length)."""
+        return self.layout.shapes[0][0]
+
+    def unpacked(self) -> SamplingMetadata:
+        meta = unpack(self.bits, self.layout)
+        if self.steps is not None:
+            meta = replace(meta, steps=self.steps)
+        if self.draft_token_ids is not None:
+            meta = replace(meta, draft_token_ids=self.draft_token_ids)
+        return meta

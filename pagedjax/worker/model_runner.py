@@ -796,8 +796,10 @@ class ModelRunner:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
             distinct = batch.distinct[keep]
             if added:  # with a kept row differing, joined rows count as differing unchecked
-                ones = np.ones(len(new_rows), bool)
-                joined_distinct = ones if distinct.any() else distinct_rows(joined, len(new_rows))
+                if distinct.any():
+                    joined_distinct = np.ones(len(new_rows), bool)
+                else:
+                    joined_distinct = distinct_rows(joined, len(new_rows))
                 distinct = np.concatenate([distinct, joined_distinct])
             if not distinct.any():  # greedy rows asking nothing else: no edit, no transfer
                 host, device = padding_rows(r_pad), self._padding_sampling(r_pad)

@@ -1,4 +1,4 @@
-"""One prepared GPU check, safe to run blind: eight stages, each in its own subprocesses with its
+"""One prepared GPU check, safe to run blind: ten stages, each in its own subprocesses with its
 own time budget, so a hang or a CUDA fault is killed, reported, and the next stage still runs.
 
     python benchmarks/gpu_check.py --out DIR [--cpu] [--only smoke,bench]
@@ -21,11 +21,15 @@ own time budget, so a hang or a CUDA fault is killed, reported, and the next sta
                  token-step and its host share at 256 rows, 1 and 8 decode steps per dispatch,
                  and 1 with steady decode steps off (the peer)
                                                                        -> host.log, host.json
-7. moe           a tiny gpt-oss through the engine (Pallas attention with sinks, the Pallas
+7. throughput    benchmarks/gpu_throughput.py: offline output tok/s, 256 requests x 128 greedy
+                 tokens on a random model of SmolLM2-135M's shape, against transformers'
+                 generate on the same card                 -> throughput.log, throughput.json
+8. moe           a tiny gpt-oss through the engine (Pallas attention with sinks, the Pallas
                  experts) against transformers' greedy tokens; benchmarks/moe.py: grouped
                  experts against every expert computed                  -> moe.log, moe.json
-(memory, between env and smoke: gpu_memory_utilization as the allocator's limit.)
-The PASS/FAIL and GB/s table is printed last and written to summary.txt (14 files in all).
+(memory, between env and smoke: gpu_memory_utilization as the allocator's limit; last,
+command_buffers: the host stage's run with XLA's command buffers off and with loops.)
+The PASS/FAIL and GB/s table is printed last and written to summary.txt.
 `--cpu`: the same script on the CPU (interpret mode, tiny sizes) so it cannot rot (CI runs it).
 """
 
@@ -53,7 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "  # a child's result line: MARK + json
 STAGES = [
-    "env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "moe", "command_buffers"
+    "env", "memory", "smoke", "kernel_tests", "bench", "engine", "host", "throughput", "moe",
+    "command_buffers",
 ]  # fmt: skip
 # Seconds per stage (--budget STAGE=SECONDS changes one). GPU: with the driver's slack, the 8
 # minutes one device call is planned for; sized from the stage times of the first GPU run
@@ -61,12 +66,12 @@ STAGES = [
 # configuration since) is not yet timed on a GPU.
 BUDGETS = {
     "gpu": dict(
-        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=130, moe=90,
-        command_buffers=90,
+        env=20, memory=20, smoke=50, kernel_tests=120, bench=80, engine=90, host=130,
+        throughput=150, moe=90, command_buffers=90,
     ),
     "cpu": dict(
-        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120, moe=240,
-        command_buffers=120,
+        env=60, memory=60, smoke=240, kernel_tests=180, bench=180, engine=240, host=120,
+        throughput=120, moe=240, command_buffers=120,
     ),
 }  # fmt: skip
 # The whole run's cap: one device call is at most 600 s, and the table must come out before it
@@ -825,6 +830,27 @@ class Check:
         detail = "; ".join(step_detail(report, name) for name in ran)
         rows = report["running_requests"]
         return dict(status=status, seconds=seconds, detail=f"{rows} rows; {detail}")
+
+    def stage_throughput(self, limit: float) -> dict:
+        """Issue 41's measure of the whole engine: `gpu_throughput.py`, offline output tok/s
+        of 256 requests x 128 greedy tokens on a random model of SmolLM2-135M's shape, against
+        transformers' `generate` on the same card in the same run; the CPU dry run takes its
+        smoke sizes."""
+        args = ["benchmarks/gpu_throughput.py"] + (["--smoke"] if self.mode == "cpu" else [])
+        status, seconds, report = self.run_benchmark("throughput", args, "gpu_throughput", limit)
+        if not report:
+            return dict(status=status, detail=last_line(self.out / "throughput.log"))
+        engine = report["engine_output_tok_per_s"]
+        detail = (
+            f"{report['requests']} x {report['tokens']} tokens: engine {engine:,.0f} tok/s "
+            f"({report['engine_attention']}, {report['engine_dtype']})"
+        )
+        if "peer_output_tok_per_s" in report:
+            detail += (
+                f", transformers {report['peer_output_tok_per_s']:,.0f} tok/s: "
+                f"{report['engine_over_peer']:.2f}x"
+            )
+        return dict(status=status, seconds=seconds, detail=detail)
 
     def stage_command_buffers(self, limit: float) -> dict:
         """XLA's command buffers (CUDA graphs) for the step (issue 41): the host stage's run

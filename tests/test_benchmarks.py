@@ -23,6 +23,7 @@ LIBRARIES = {"report", "workloads", "llamacpp_peer", "trace_summary"}
 # Scripts another test runs already.
 RUN_ELSEWHERE = {
     "gpu_check": "tests/test_gpu_check.py runs gpu_check.sh's dry run, which runs it",
+    "gpu_throughput": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",
     "paged_kernels": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",
     "load_memory": "tests/test_loader.py measures a checkpoint with its functions",
     "moe": "gpu_check.sh's dry run (tests/test_gpu_check.py) runs its smoke mode",

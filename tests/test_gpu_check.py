@@ -19,8 +19,9 @@ import gpu_check  # noqa: E402  (imports no JAX: the driver only starts processe
 
 FILES = {"env.txt", "memory.log", "memory.json", "smoke.json", "kernel_tests.log",
          "kernel_tests.xml", "bench.log", "bench.json", "engine.json", "host.log", "host.json",
-         "moe.log", "moe.json", "command_buffers_with_loops.log",
-         "command_buffers_with_loops.json", "summary.txt"}  # fmt: skip
+         "throughput.log", "throughput.json", "moe.log", "moe.json",
+         "command_buffers_with_loops.log", "command_buffers_with_loops.json",
+         "summary.txt"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -69,6 +70,8 @@ def test_cpu_dry_run_runs_every_stage_and_prints_the_table_last(tmp_path):
     assert "device ops" in summary and "with_loops: k1" in summary
     engine = json.loads((tmp_path / "engine.json").read_text())
     assert engine["token_identical"] and engine["attention_backend"] == "pallas"
+    throughput = json.loads((tmp_path / "throughput.json").read_text())
+    assert throughput["engine_output_tok_per_s"] > 0 and throughput["engine_over_peer"] > 0
 
 
 def test_the_bench_table_flags_wrong_results_and_reads_the_targets(tmp_path):

@@ -14,11 +14,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from functools import cache
+from math import prod
 
 import numpy as np
 
 from pagedjax.sampler import SamplingMetadata, build_sampling_metadata, penalizes, truncates
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.step_inputs import StepLayout, pack_bits
 
 RowKind = tuple[bool, bool, bool, int | None]  # (greedy, truncates, penalizes, logprobs)
 
@@ -78,11 +80,22 @@ def padding_row() -> SamplingMetadata:
     return build_sampling_metadata([], [], [], [], num_rows=1)
 
 
+# Host sampling arrays without draw counters in `pack_bits`' form: how a kept batch keeps
+# them, edits them (`edit_rows`) and sends them.
+Packed = tuple[np.ndarray, StepLayout]
+
+
 @cache
-def padding_rows(num_rows: int) -> SamplingMetadata:
+def padding_rows(num_rows: int) -> Packed:
     """What a build gives for num_rows rows that are each a padding row's, or a greedy row's
     that asks nothing else; host arrays, without draw counters."""
-    return replace(build_sampling_metadata([], [], [], [], num_rows=num_rows), steps=None)
+    return packed_rows(build_sampling_metadata([], [], [], [], num_rows=num_rows))
+
+
+def packed_rows(meta: SamplingMetadata) -> Packed:
+    """Built sampling arrays as a kept batch keeps them: without draw counters (a step's come
+    from its forward), in `pack_bits`' form."""
+    return pack_bits(replace(meta, steps=None))
 
 
 def distinct_rows(meta: SamplingMetadata, n: int) -> np.ndarray:
@@ -102,41 +115,57 @@ def distinct_rows(meta: SamplingMetadata, n: int) -> np.ndarray:
     return distinct
 
 
-def edit_rows(
-    meta: SamplingMetadata, keep: np.ndarray, joined: SamplingMetadata | None, r_pad: int
-) -> SamplingMetadata | None:
-    """`meta`'s rows `keep` (in that order), then `joined`'s rows, then padding rows as a
-    build pads (greedy, nothing asked), r_pad in all; host arrays, without draw counters.
-    Lists (biases, histories) as wide as the wider of the two, padded as a build pads them.
-    None where a full build is needed instead: `joined` has a mask or drafts."""
-    padding = padding_row()
-    n = len(keep)
-    edited = {"steps": None}
-    for field in fields(meta):
-        name = field.name
-        old, new = getattr(meta, name), None if joined is None else getattr(joined, name)
-        if name == "steps":
-            continue
-        if old is None or getattr(padding, name) is None:
-            if new is not None or old is not None:
-                return None  # masks and drafts are never a kept batch's
-            continue
-        widths = old.shape[1:] if new is None else np.maximum(old.shape[1:], new.shape[1:])
-        out = np.full((r_pad, *widths), getattr(padding, name).flat[0], old.dtype)
-        out[(slice(0, n), *map(slice, old.shape[1:]))] = old[keep]
-        if new is not None:
-            out[(slice(n, n + len(new)), *map(slice, new.shape[1:]))] = new
-        edited[name] = out
-    return replace(meta, **edited)
+def edit_rows(packed: Packed, keep: np.ndarray, joined: Packed | None, r_pad: int) -> Packed | None:
+    """`packed`'s rows `keep` (in that order), then `joined`'s rows, then padding rows as a
+    build pads (greedy, nothing asked), r_pad in all: sampling arrays without draw counters in
+    `pack_bits`' form, edited there (a run of one-dimensional arrays is one block, so an edit
+    is a few numpy calls, not a few per array). Lists (biases, histories) as wide as the wider
+    of the two, padded as a build pads them. None where a full build is needed instead:
+    `joined` has a mask or drafts."""
+    bits, layout = packed
+    fills, padding_layout = _padding_bits()
+    if layout.treedef != padding_layout.treedef:
+        return None  # masks and drafts are never a kept batch's
+    new_bits, new_layout = joined if joined is not None else (np.zeros(0, np.int32), layout)
+    if new_layout.treedef != layout.treedef:
+        return None
+    n, j = len(keep), 0 if joined is None else new_layout.shapes[0][0]
+    shapes, parts, start, new_start, i = [], [], 0, 0, 0
+    while i < len(layout.shapes):
+        rows, *width = layout.shapes[i]
+        if not width:  # the run of [R] arrays from here: one [count, R] block
+            k = i
+            while k < len(layout.shapes) and len(layout.shapes[k]) == 1:
+                k += 1
+            block = np.empty((k - i, r_pad), np.int32)
+            block[:, :n] = bits[start : start + (k - i) * rows].reshape(k - i, rows)[:, keep]
+            block[:, n : n + j] = new_bits[new_start : new_start + (k - i) * j].reshape(k - i, j)
+            block[:, n + j :] = fills[i:k, None]
+            shapes += [(r_pad,)] * (k - i)
+            start, new_start, i = start + (k - i) * rows, new_start + (k - i) * j, k
+        else:  # [R, W]
+            old_width, new_width = width[0], new_layout.shapes[i][1] if j else 0
+            block = np.full((r_pad, max(old_width, new_width)), fills[i], np.int32)
+            size, new_size = rows * old_width, j * new_width
+            block[:n, :old_width] = bits[start : start + size].reshape(rows, old_width)[keep]
+            block[n : n + j, :new_width] = new_bits[new_start : new_start + new_size].reshape(
+                j, new_width
+            )
+            shapes.append(block.shape)
+            start, new_start, i = start + size, new_start + new_size, i + 1
+        parts.append(block.ravel())
+    return np.concatenate(parts), replace(layout, shapes=tuple(shapes))
 
 
-def same_arrays(a: SamplingMetadata, b: SamplingMetadata) -> bool:
-    """Whether two sets of host sampling arrays are the same bit for bit (shapes too)."""
-    for field in fields(a):
-        x, y = getattr(a, field.name), getattr(b, field.name)
-        if x is None or y is None:
-            if x is not y:
-                return False
-        elif x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
-            return False
-    return True
+@cache
+def _padding_bits() -> tuple[np.ndarray, StepLayout]:
+    """A padding row's value of each array (as int32 bits, in `pack_bits`' leaf order), and
+    that row's layout."""
+    bits, layout = padding_rows(1)
+    return bits[np.cumsum([0, *(prod(shape) for shape in layout.shapes[:-1])])], layout
+
+
+def same_arrays(a: Packed, b: Packed) -> bool:
+    """Whether two sets of host sampling arrays (`pack_bits`' form) are the same bit for bit
+    (shapes too)."""
+    return a[1] == b[1] and a[0].tobytes() == b[0].tobytes()

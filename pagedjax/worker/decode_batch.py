@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedjax.core.sched_output import SampleRow
-from pagedjax.sampler import SamplingMetadata
-from pagedjax.worker.batch_sampling import BatchSampling, RowKind
+from pagedjax.worker.batch_sampling import BatchSampling, Packed, RowKind
 from pagedjax.worker.step_inputs import PackedSampling
 
 
@@ -38,7 +37,7 @@ class DecodeBatch:
     decode_only: bool | None  # the step's static attention flag
     # [R] the rows' sampling arrays without draw counters, on the host (None: not built
     # yet) and on the device (None: not sent since they changed).
-    host_sampling: SamplingMetadata | None = None
+    host_sampling: Packed | None = None  # `pack_bits`' form
     device_sampling: PackedSampling | None = None
     # [n] whether each row's sampling arrays may be other than a padding row's (with
     # host_sampling; a row joining beside one that is counts as one): where none is, the
@@ -57,7 +56,7 @@ class DecodeBatch:
         kinds: Counter[RowKind],
         rows: list[SampleRow],
         decode_only: bool | None,
-        host_sampling: SamplingMetadata | None = None,
+        host_sampling: Packed | None = None,
         device_sampling: PackedSampling | None = None,
         distinct: np.ndarray | None = None,
     ) -> DecodeBatch:

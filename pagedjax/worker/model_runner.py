@@ -57,8 +57,10 @@ from pagedjax.sampler import (
 )
 from pagedjax.worker.batch_sampling import (
     BatchSampling,
+    Packed,
     distinct_rows,
     edit_rows,
+    packed_rows,
     padding_rows,
     row_kinds,
     same_arrays,
@@ -409,8 +411,12 @@ class ModelRunner:
         """Sampling arrays on the step's devices in one transfer, their bits packed (each
         array put alone is a transfer of its own), which the sampler's call takes apart. The
         sampler always gets its arrays this way: one compiled variant per layout."""
-        packed, layout = pack_bits(meta)
-        return PackedSampling(self._put(packed), layout)
+        return self._put_packed(pack_bits(meta))
+
+    def _put_packed(self, packed: Packed) -> PackedSampling:
+        """`_put_sampling` of arrays already in `pack_bits`' form."""
+        bits, layout = packed
+        return PackedSampling(self._put(bits), layout)
 
     def _forward(
         self,
@@ -794,6 +800,7 @@ class ModelRunner:
         host = device = distinct = None  # a full build when first needed
         if (old := batch.host_sampling) is not None:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
+            packed = packed_rows(joined) if added else None
             distinct = batch.distinct[keep]
             if added:  # with a kept row differing, joined rows count as differing unchecked
                 if distinct.any():
@@ -803,7 +810,7 @@ class ModelRunner:
                 distinct = np.concatenate([distinct, joined_distinct])
             if not distinct.any():  # greedy rows asking nothing else: no edit, no transfer
                 host, device = padding_rows(r_pad), self._padding_sampling(r_pad)
-            elif (host := edit_rows(old, keep, joined, r_pad)) is None:
+            elif (host := edit_rows(old, keep, packed, r_pad)) is None:
                 distinct = None
             elif (kept := batch.device_sampling) is not None and same_arrays(host, old):
                 device = kept  # compared only where there is a copy to keep
@@ -901,17 +908,17 @@ class ModelRunner:
         if batch.device_sampling is None:
             host = self._host_sampling(batch)
             if batch.distinct.any():
-                batch.device_sampling = self._put_sampling(host)
+                batch.device_sampling = self._put_packed(host)
             else:
                 batch.device_sampling = self._padding_sampling(len(batch.counters))
         return replace(batch.device_sampling, steps=steps)
 
-    def _host_sampling(self, batch: DecodeBatch) -> SamplingMetadata:
+    def _host_sampling(self, batch: DecodeBatch) -> Packed:
         """The kept batch's sampling arrays on the host, built the first time they are
         needed (then edited as rows leave and join), and which rows are not padding-like."""
         if batch.host_sampling is None:
             built = self.build_sampling_metadata(batch.rows, len(batch.counters))
-            batch.host_sampling = replace(built, steps=None)
+            batch.host_sampling = packed_rows(built)
             batch.distinct = distinct_rows(built, len(batch.rows))
         return batch.host_sampling
 
@@ -920,7 +927,7 @@ class ModelRunner:
         every batch of greedy rows that ask nothing else (warmup's too)."""
         meta = self._padding_arrays.get(num_rows)
         if meta is None:
-            meta = self._padding_arrays[num_rows] = self._put_sampling(padding_rows(num_rows))
+            meta = self._padding_arrays[num_rows] = self._put_packed(padding_rows(num_rows))
         return meta
 
     def _dispatch_one(
@@ -1187,12 +1194,12 @@ class ModelRunner:
         sampling = BatchSampling.of_kinds([], batch.kinds + row_kinds(r.params for r in new_rows))
         if not (batch.distinct.any() or distinct_rows(joined, len(new_rows)).any()):
             return sampling, replace(self._padding_sampling(r_pad), steps=steps)
-        host = edit_rows(kept, np.arange(n), joined, r_pad)
+        host = edit_rows(kept, np.arange(n), packed_rows(joined), r_pad)
         if host is None:
             return None
         if same_arrays(host, kept):  # greedy rows like the padding: the batch's own arrays
             return sampling, self._decode_sampling(batch, steps)
-        return sampling, replace(self._put_sampling(host), steps=steps)
+        return sampling, replace(self._put_packed(host), steps=steps)
 
     def _batch_sampling(self, rows: Sequence[SampleRow], r_pad: int) -> BatchSampling:
         """What the rows ask of the sampler: the last step's answer while the batch is

@@ -800,7 +800,6 @@ class ModelRunner:
         host = device = distinct = None  # a full build when first needed
         if (old := batch.host_sampling) is not None:
             joined = self.build_sampling_metadata(new_rows, len(new_rows)) if added else None
-            packed = packed_rows(joined) if added else None
             distinct = batch.distinct[keep]
             if added:  # with a kept row differing, joined rows count as differing unchecked
                 if distinct.any():
@@ -810,10 +809,12 @@ class ModelRunner:
                 distinct = np.concatenate([distinct, joined_distinct])
             if not distinct.any():  # greedy rows asking nothing else: no edit, no transfer
                 host, device = padding_rows(r_pad), self._padding_sampling(r_pad)
-            elif (host := edit_rows(old, keep, packed, r_pad)) is None:
-                distinct = None
-            elif (kept := batch.device_sampling) is not None and same_arrays(host, old):
-                device = kept  # compared only where there is a copy to keep
+            else:  # the joined rows packed only here: a batch like padding needs none
+                host = edit_rows(old, keep, packed_rows(joined) if added else None, r_pad)
+                if host is None:
+                    distinct = None
+                elif (kept := batch.device_sampling) is not None and same_arrays(host, old):
+                    device = kept  # compared only where there is a copy to keep
         return DecodeBatch.of(
             batch.batch_id, request_ids, table_rows, num_blocks, padded,
             BatchSampling.of_kinds([], kinds), kinds, rows, batch.decode_only, host, device,

@@ -38,10 +38,11 @@ def test_pack_and_unpack_give_back_every_array():
 
 
 def test_pack_bits_sends_32_bit_arrays_of_any_type_and_gives_back_their_bits():
-    """The sampling arrays' way to the device (`ModelRunner._put_sampling`): float32 (with
-    -0.0, inf and a NaN), uint32 and int32 leaves, 1-D and 2-D, and None, bit for bit."""
+    """The sampling arrays' way to the device (`ModelRunner._put_sampling`: packed, padded to
+    a power of two, sent by a jitted identity): float32 (with -0.0, inf and a NaN), uint32 and
+    int32 leaves, 1-D and 2-D, and None, bit for bit, on the device asked for."""
     from pagedjax.sampler import SamplingMetadata, build_sampling_metadata
-    from pagedjax.worker.step_inputs import pack_bits, unpack
+    from pagedjax.worker.step_inputs import pack_bits, padded, sender, unpack
 
     params = [SamplingParams(temperature=0.7, top_p=0.9, logit_bias={3: -1.5, 9: 2.0})] * 3
     meta = build_sampling_metadata(params, [[1, 2]] * 3, [1] * 3, [2**32 - 1, 0, 7], num_rows=4)
@@ -49,14 +50,19 @@ def test_pack_bits_sends_32_bit_arrays_of_any_type_and_gives_back_their_bits():
     inputs = (meta, odd, None)
     packed, layout = pack_bits(inputs)
     assert packed.dtype == np.int32 and packed.ndim == 1
-    got = jax.jit(unpack, static_argnames="layout")(jnp.asarray(packed), layout)
-    assert isinstance(got[0], SamplingMetadata) and got[2] is None
-    want_leaves, want_tree = jax.tree.flatten(inputs)
-    got_leaves, got_tree = jax.tree.flatten(got)
-    assert got_tree == want_tree
-    for got_leaf, want_leaf in zip(got_leaves, want_leaves, strict=True):
-        assert np.asarray(got_leaf).dtype == want_leaf.dtype
-        assert np.asarray(got_leaf).tobytes() == want_leaf.tobytes()
+    device = jax.devices()[-1]
+    for sharding in (None, jax.sharding.SingleDeviceSharding(device)):
+        sent = sender(sharding)(padded(packed))
+        assert sent.shape[0] >= len(packed) and sent.shape[0] & (sent.shape[0] - 1) == 0
+        assert sharding is None or sent.devices() == {device}
+        got = jax.jit(unpack, static_argnames="layout")(sent, layout)
+        assert isinstance(got[0], SamplingMetadata) and got[2] is None
+        want_leaves, want_tree = jax.tree.flatten(inputs)
+        got_leaves, got_tree = jax.tree.flatten(got)
+        assert got_tree == want_tree
+        for got_leaf, want_leaf in zip(got_leaves, want_leaves, strict=True):
+            assert np.asarray(got_leaf).dtype == want_leaf.dtype
+            assert np.asarray(got_leaf).tobytes() == want_leaf.tobytes()
     with pytest.raises(ValueError, match="32-bit"):
         pack_bits((np.zeros(2, np.int64),))
 

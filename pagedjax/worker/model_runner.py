@@ -85,7 +85,7 @@ from pagedjax.worker.draft_model import (
 )
 from pagedjax.worker.host_kv import HostKV
 from pagedjax.worker.lora_slots import LoRASlots
-from pagedjax.worker.step_inputs import PackedSampling, pack, pack_bits
+from pagedjax.worker.step_inputs import PackedSampling, pack, pack_bits, padded, sender
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +416,7 @@ class ModelRunner:
     def _put_packed(self, packed: Packed) -> PackedSampling:
         """`_put_sampling` of arrays already in `pack_bits`' form."""
         bits, layout = packed
-        return PackedSampling(self._put(bits), layout)
+        return PackedSampling(sender(self._step_sharding)(padded(bits)), layout)
 
     def _forward(
         self,

@@ -7,12 +7,14 @@ them into one flat array on the host and the step unpacks it on the device with 
 `StepLayout` (the inputs' tree and shapes) is a static argument: it changes only with the
 bucket, so packing adds no compilation. `pack_bits` packs 32-bit arrays of other types (the
 sampling arrays) as their bits, which `unpack` casts back: `PackedSampling` carries them to the
-sampler's jitted call, which takes them apart itself (no dispatch of their own).
+sampler's jitted call, which takes them apart itself (no dispatch of their own); `sender` puts
+such an array on the device through jit's own argument transfer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cache
 from math import prod
 from typing import Any
 
@@ -65,6 +67,23 @@ def unpack(packed: jax.Array, layout: StepLayout) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
 
+def padded(packed: np.ndarray) -> np.ndarray:
+    """A packed array zero-padded to a power of two, so that few sizes compile `sender`."""
+    out = np.zeros(1 << max(len(packed) - 1, 0).bit_length(), np.int32)
+    out[: len(packed)] = packed
+    return out
+
+
+@cache
+def sender(sharding: jax.sharding.Sharding | None) -> Any:
+    """A jitted identity that puts its argument, a host array, on `sharding` (None: the
+    default device): jit's C++ argument transfer, where `jax.device_put`'s Python path
+    costs several times more. The transferred copy is donated, so nothing is copied again."""
+    if sharding is None:
+        return jax.jit(lambda x: x, donate_argnums=0)
+    return jax.jit(lambda x: x, in_shardings=sharding, out_shardings=sharding, donate_argnums=0)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PackedSampling:
@@ -73,7 +92,7 @@ class PackedSampling:
     no dispatch of its own; the draw counters and the verified drafts, which other calls make
     on the device, beside them (None: the packed ones, if any)."""
 
-    bits: jax.Array  # [N] int32
+    bits: jax.Array  # [N] int32 (`padded`: the layout says what is read)
     layout: StepLayout = field(metadata=dict(static=True))
     steps: jax.Array | None = None  # [S] i32
     draft_token_ids: jax.Array | None = None  # [S] i32

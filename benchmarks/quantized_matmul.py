@@ -7,7 +7,7 @@ and optionally the same kernel at a git revision, in one process, at the default
         [--repeats 15] [--shapes wqkv wo w_gate_up w_down lm_head]
         [--smoke (the wo shape only, 2 weights, one timed chain, the best level and int8)]
 
-The baseline is the revision's `packed_matmul.cc` (with its `parallel.h`), compiled like the
+The baseline is the revision's `packed_matmul.cc` (with its headers), compiled like the
 engine's kernels at this machine's best level and registered under another FFI target. Each
 layer shape runs as a chain of `--layers` distinct random 4-bit weights (x feeds the next call),
 so the weights stream from memory as in a decode step; the 8-bit LM head is one weight (35 MB,
@@ -55,7 +55,12 @@ def register_baseline(rev: str) -> None:
     """Compiles the kernel at `rev` and registers its QuantizedMatmul as BASELINE_TARGET."""
     with tempfile.TemporaryDirectory(prefix="quantized_matmul_") as directory:
         tmp = Path(directory)
-        for name in ("packed_matmul.cc", "parallel.h"):
+        headers = subprocess.run(
+            ["git", "ls-tree", "--name-only", rev, f"{CSRC}/"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        names = ["packed_matmul.cc", *(Path(h).name for h in headers if h.endswith(".h"))]
+        for name in names:
             source = subprocess.run(
                 ["git", "show", f"{rev}:{CSRC}/{name}"],
                 cwd=ROOT, capture_output=True, text=True, check=True,

@@ -6,8 +6,9 @@
 // threads, prefill tiles first (benchmarks/README.md has the numbers):
 //
 // - A decode row (q_len 1), per KV head, takes two passes over its pages, both bound by memory
-//   bandwidth. The next page is prefetched a slice at a time, interleaved with the arithmetic
-//   on this one (whole pages prefetched two ahead did not overlap reads with arithmetic):
+//   bandwidth. The next page is prefetched into L2 a slice at a time, interleaved with the
+//   arithmetic on this one (whole pages prefetched two ahead did not overlap reads with
+//   arithmetic):
 //   1. scores of every key for the group's query heads, 8 keys per dot (one reduction for 8);
 //   2. after an exact max and a vectorized exp, probabilities times V, with the group's
 //      accumulators held in registers while a V row is read once for all of them.
@@ -81,9 +82,12 @@ struct Step {
   float scale, soft_cap;
 };
 
-// Touches every cache line of `bytes` from `p` so that they arrive while this page is used.
+// Asks for every cache line of `bytes` from `p` so that they arrive while this page is used:
+// into L2 (prefetcht1), not L1. A page ahead is half of L1, where the lines evicted the slices
+// in use before they were read; from L2 the core's own prefetcher brings them on.
 inline void Prefetch(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+  for (int64_t i = 0; i < bytes; i += 64)
+    __builtin_prefetch(static_cast<const char*>(p) + i, /*rw=*/0, /*locality=*/2);
 }
 
 // The pool's storage types besides float32: one struct each, so that overloads tell bf16 and

@@ -19,27 +19,21 @@ outputs are checked equal bit for bit first.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import os
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from report import add_smoke_flag, report  # noqa: E402  (benchmarks/ is the script directory)
+from kernel_baseline import register_baseline  # noqa: E402  (benchmarks/ is the script directory)
+from report import add_smoke_flag, report  # noqa: E402
 
 from pagedjax.cpu_native import build, matmul  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CSRC = "pagedjax/cpu_native/csrc"
 BASELINE_TARGET = "pagedjax_quantized_matmul_baseline"
 H, Q, KV, INTER, VOCAB = 576, 576, 192, 1536, 49152  # SmolLM2-135M
 SHAPES = {  # name: (K, N, bits)
@@ -49,33 +43,6 @@ SHAPES = {  # name: (K, N, bits)
     "w_down": (INTER, H, 4),
     "lm_head": (H, VOCAB, 8),
 }
-
-
-def register_baseline(rev: str) -> None:
-    """Compiles the kernel at `rev` and registers its QuantizedMatmul as BASELINE_TARGET."""
-    with tempfile.TemporaryDirectory(prefix="quantized_matmul_") as directory:
-        tmp = Path(directory)
-        headers = subprocess.run(
-            ["git", "ls-tree", "--name-only", rev, f"{CSRC}/"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
-        names = ["packed_matmul.cc", *(Path(h).name for h in headers if h.endswith(".h"))]
-        for name in names:
-            source = subprocess.run(
-                ["git", "show", f"{rev}:{CSRC}/{name}"],
-                cwd=ROOT, capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
-            (tmp / name).write_text(source)
-        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        library = tmp / "baseline.so"
-        subprocess.run(
-            [compiler, "-O3", *build.level_flags(build.levels()[0]), "-fopenmp-simd",
-             "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-             str(tmp / "packed_matmul.cc"), "-o", str(library)],
-            check=True,
-        )  # fmt: skip
-        handler = ctypes.cdll.LoadLibrary(str(library)).QuantizedMatmul  # stays loaded
-    jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
 
 
 def random_weight(rng, k: int, n: int, bits: int) -> tuple[np.ndarray, ...]:
@@ -121,7 +88,7 @@ def main() -> None:
     for level in levels:
         assert build.load(level), level
     if args.baseline_rev:
-        register_baseline(args.baseline_rev)
+        register_baseline(args.baseline_rev, "packed_matmul.cc", "QuantizedMatmul", BASELINE_TARGET)
         targets[args.baseline_rev] = BASELINE_TARGET
     if args.int8:  # llama.cpp's numerics: compared with each other, not with the float32 sums
         targets |= {f"int8_{level}": f"{matmul.INT8_TARGET}_{level}" for level in levels}

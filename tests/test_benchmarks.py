@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCHMARKS))
 from report import SKIP_EXIT, SMOKE_RESULTS_ENV  # noqa: E402  (benchmarks/ is not a package)
 
 # Modules the scripts import, with no run of their own.
-LIBRARIES = {"report", "workloads", "llamacpp_peer", "trace_summary"}
+LIBRARIES = {"report", "workloads", "llamacpp_peer", "trace_summary", "kernel_baseline"}
 # Scripts another test runs already.
 RUN_ELSEWHERE = {
     "gpu_check": "tests/test_gpu_check.py runs gpu_check.sh's dry run, which runs it",

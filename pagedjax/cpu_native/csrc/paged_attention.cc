@@ -83,8 +83,9 @@ struct Step {
 };
 
 // Asks for every cache line of `bytes` from `p` so that they arrive while this page is used:
-// into L2 (prefetcht1), not L1. A page ahead is half of L1, where the lines evicted the slices
-// in use before they were read; from L2 the core's own prefetcher brings them on.
+// into L2 (prefetcht1), not L1. A float32 page ahead is half of L1, so lines prefetched there
+// evict the slices in use or are evicted before they are read; from L2 the core's own
+// prefetcher brings them on.
 inline void Prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64)
     __builtin_prefetch(static_cast<const char*>(p) + i, /*rw=*/0, /*locality=*/2);

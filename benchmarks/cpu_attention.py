@@ -98,15 +98,12 @@ def main() -> None:
                     start = time.perf_counter()
                     all_layers(*arrays, target=target).block_until_ready()
                     times[name].append((time.perf_counter() - start) / LAYERS * 1e6)
-            for name, runs in times.items():
-                us = statistics.median(runs)
+            medians = {name: statistics.median(runs) for name, runs in times.items()}
+            for name, us in medians.items():
                 result[f"{step}_{dtype}_{name}_us_per_layer"] = us
                 result[f"{step}_{dtype}_{name}_GB_per_s"] = layer_bytes / us / 1e3
-            if args.baseline_rev:
-                ratio = result[
-                    f"{step}_{dtype}_{args.baseline_rev}_us_per_layer"
-                ] / statistics.median(times["today"])
-                result[f"{step}_{dtype}_{args.baseline_rev}/today"] = ratio
+                if name != "today":  # the revision's time over today's
+                    result[f"{step}_{dtype}_{name}/today"] = us / medians["today"]
             del arrays
     report("cpu_attention", result, smoke=args.smoke)
 
